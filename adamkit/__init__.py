@@ -1,0 +1,59 @@
+"""adamkit: Adam-family optimizer transforms for JAX that reproduce MindSpore and Paddle.
+
+Every public optimizer is an ``optax.GradientTransformation``::
+
+  import adamkit as ak
+  tx = ak.adam(1e-3, weight_decay=0.05)        # MindSpore nn.Adam semantics
+"""
+
+from adamkit import masks
+from adamkit._adam import ScaleByAdamState, adam, scale_by_adam
+from adamkit._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
+from adamkit._groups import Group
+from adamkit._links import (
+    AddDecayState,
+    ClipGradByGlobalNorm,
+    ClipGradByNorm,
+    ClipGradByValue,
+    L1Decay,
+    L2Decay,
+    ScaleByLearningRateState,
+    add_decay,
+    centralize_gradients,
+    clip_by_norm,
+    scale_by_learning_rate,
+    scale_by_loss_scale,
+)
+from adamkit._schedules import as_schedule
+
+# --- checkpoint / state helpers (core) ---
+# --- sparse (issue 3) ---
+# --- offload (issue 4) ---
+# --- speed (issue 5) ---
+# --- users (issue 6) ---
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AddDecayState",
+    "ClipGradByGlobalNorm",
+    "ClipGradByNorm",
+    "ClipGradByValue",
+    "Group",
+    "L1Decay",
+    "L2Decay",
+    "ScaleByAdamState",
+    "ScaleByAdamaxState",
+    "ScaleByLearningRateState",
+    "adam",
+    "adamax",
+    "add_decay",
+    "as_schedule",
+    "centralize_gradients",
+    "clip_by_norm",
+    "masks",
+    "scale_by_adam",
+    "scale_by_adamax",
+    "scale_by_learning_rate",
+    "scale_by_loss_scale",
+]

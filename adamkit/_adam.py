@@ -1,0 +1,202 @@
+"""Adam: the ``scale_by_adam`` primitive and the named ``adam`` optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from adamkit import _groups, _links, _masks, _schedules, _validate
+
+
+class ScaleByAdamState(NamedTuple):
+  count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
+  mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
+  nu: optax.Updates  # second moment, params' shapes and dtype
+
+
+def compute_dtype(x) -> jnp.dtype:
+  """float32, or the leaf's dtype when wider: low-precision leaves are computed in f32."""
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def bias_corrections(b1, b2, count):
+  """``(1 - b1**t, 1 - b2**t)`` as float32 scalars, ``t = count`` (1-based)."""
+  t = count.astype(jnp.float32)
+  return (1.0 - jnp.asarray(b1, jnp.float32) ** t, 1.0 - jnp.asarray(b2, jnp.float32) ** t)
+
+
+def check_adam_hyper(b1, b2, eps) -> None:
+  _validate.check_open_unit("b1", b1)
+  _validate.check_open_unit("b2", b2)
+  _validate.check_positive("eps", eps)
+
+
+def adam_direction(g, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
+  """One leaf of the Adam step, in the docstring's order. Returns ``(u, m, v)`` in f32."""
+  m = b1 * m + (1.0 - b1) * g
+  v = b2 * v + (1.0 - b2) * (g * g)
+  m_num = b1 * m + (1.0 - b1) * g if nesterov else m
+  if eps_mode == "hat":
+    u = (jnp.sqrt(bc2) / bc1) * m_num / (jnp.sqrt(v) + eps)
+  else:
+    m_hat = m_num / bc1
+    v_hat = v / bc2
+    u = m_hat / (jnp.sqrt(v_hat) + eps)
+  return u, m, v
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                  eps_mode: str = "hat", nesterov: bool = False,
+                  mu_dtype: Any = None) -> optax.GradientTransformation:
+  r"""Rescales updates by Adam's moment estimates (no learning rate, no decay).
+
+  .. math::
+
+    m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t \\
+    v_t &= \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
+    n_t &= \beta_1 m_t + (1-\beta_1) g_t \text{ if nesterov else } m_t \\
+    u_t &= \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,\frac{n_t}{\sqrt{v_t}+\epsilon}
+          \quad\text{(eps\_mode="hat")} \\
+    u_t &= \frac{n_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)}+\epsilon}
+          \quad\text{(eps\_mode="corrected")}
+
+  ``"hat"`` is the formula of MindSpore ``nn.Adam``/``nn.AdamOffload``, TensorFlow and
+  ``torch.optim.SparseAdam`` (the :math:`\hat\epsilon` of the Adam paper, section 2);
+  ``"corrected"`` is optax's ``scale_by_adam``, ``torch.optim.Adam`` and what Paddle's
+  dense kernel really computes (its documentation prints the other formula).
+
+  .. warning::
+    With ``nesterov=True`` this is MindSpore/TensorFlow ``use_nesterov``: the numerator
+    :math:`\beta_1 m_t + (1-\beta_1) g_t` is divided by :math:`1-\beta_1^t`. optax's
+    ``nadam`` corrects the two terms with different powers and gives another answer.
+
+  Args:
+    b1: decay of the first moment, in (0, 1).
+    b2: decay of the second moment, in (0, 1).
+    eps: added to the denominator, > 0.
+    eps_mode: ``"hat"`` or ``"corrected"`` (see above).
+    nesterov: use the Nesterov numerator.
+    mu_dtype: dtype of the first moment (e.g. ``jnp.bfloat16`` to halve its memory);
+      default: the params' dtype. The arithmetic is always float32 or wider.
+
+  Returns:
+    An ``optax.GradientTransformation`` with state :class:`ScaleByAdamState`.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> tx = ak.scale_by_adam()
+    >>> params = {"w": jnp.ones(3)}
+    >>> u, state = tx.update({"w": jnp.full(3, 0.5)}, tx.init(params))
+    >>> u["w"]  # first step: sqrt(1-b2)/(1-b1) * (1-b1) g / (sqrt(1-b2) |g| + eps) ~ 1
+    Array([1., 1., 1.], dtype=float32)
+
+  References:
+    Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
+    Reproduces MindSpore 2.10 ``nn.Adam`` and PaddlePaddle 3.3.1 ``optimizer.Adam``.
+  """
+  check_adam_hyper(b1, b2, eps)
+  _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
+  _validate.check_bool("nesterov", nesterov)
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+  def init_fn(params):
+    _validate.check_float_params(params)
+    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)
+    nu = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+    return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+  def update_fn(updates, state, params=None):
+    _validate.check_matching_trees(updates, state.nu, what="optimizer state")
+    count = optax.safe_increment(state.count)
+    bc1, bc2 = bias_corrections(b1, b2, count)
+    b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
+
+    def leaf(g, m, v):
+      dt = compute_dtype(g)
+      u, m, v = adam_direction(g.astype(dt), m.astype(dt), v.astype(dt), b1=b1_, b2=b2_,
+                               eps=eps_, bc1=bc1, bc2=bc2, eps_mode=eps_mode,
+                               nesterov=nesterov)
+      return u.astype(g.dtype), m, v
+
+    out = jax.tree.map(leaf, updates, state.mu, state.nu)
+    treedef = jax.tree.structure(updates)
+    u, mu, nu = (treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(out)))
+    mu = jax.tree.map(lambda new, old: new.astype(old.dtype), mu, state.mu)
+    nu = jax.tree.map(lambda new, old: new.astype(old.dtype), nu, state.nu)
+    return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
+         b2: float = 0.999, eps: float = 1e-8, *, eps_mode: str = "hat",
+         nesterov: bool = False, weight_decay: Any = 0.0,
+         weight_decay_mask: _masks.MaskSpec = _masks.ExcludeNames(("beta", "gamma")),
+         loss_scale: float = 1.0, grad_clip: _links.GradClip = None,
+         grad_centralization: bool = False, groups=None, mu_dtype: Any = None,
+         nonfinite: str = "propagate") -> optax.GradientTransformation:
+  r"""Adam with MindSpore's and Paddle's options, as a chain of primitives.
+
+  .. math::
+
+    g &\leftarrow g / s \quad \text{(loss scale)} \\
+    g &\leftarrow \mathrm{clip}(g) \quad \text{(Paddle grad\_clip)} \\
+    g &\leftarrow g + \lambda_t w \quad \text{(L2 decay, masked)} \\
+    g &\leftarrow g - \mathrm{mean}_{1..}(g) \quad \text{(grad centralization, ndim>1)} \\
+    w &\leftarrow w - \alpha_t\, u_t \quad \text{(} u_t \text{ from } \mathtt{scale\_by\_adam}\text{)}
+
+  The chain is ``check -> unscale -> clip -> [decay -> centralize -> scale_by_adam ->
+  -lr]``, the bracket once per parameter group.
+
+  Args:
+    learning_rate: a number >= 0, a 0-d array, a 1-D array or iterable (step ``i`` uses
+      element ``i``, later steps the last), or a schedule ``count -> lr``.
+    b1, b2, eps, eps_mode, nesterov, mu_dtype: see :func:`scale_by_adam`.
+    weight_decay: L2 coefficient (number >= 0 or schedule), or ``ak.L1Decay(c)`` /
+      ``ak.L2Decay(c)``. Coupled: added to the gradient, not decoupled as in AdamW.
+    weight_decay_mask: which leaves decay. Default: every leaf whose path does not
+      contain ``"beta"`` or ``"gamma"`` (MindSpore). ``None``: every leaf (Paddle).
+      Also a bool pytree, a callable ``params -> bool tree`` or an ``ak.masks`` rule.
+    loss_scale: gradients are divided by it first (MindSpore), > 0.
+    grad_clip: ``ak.ClipGradByGlobalNorm``/``ClipGradByNorm``/``ClipGradByValue`` or any
+      optax transform; applied after unscaling and before decay (Paddle's order).
+    grad_centralization: centralize leaves with ndim > 1 (also settable per group).
+    groups: a list of :class:`adamkit.Group` or MindSpore/Paddle-style dicts.
+    nonfinite: ``"propagate"`` (default; a NaN/Inf gradient reaches the params, as in
+      optax and PyTorch) or ``"skip"`` (the whole step is skipped and the state kept,
+      via ``optax.apply_if_finite``, as MindSpore's loss-scale overflow handling).
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  .. warning::
+    Defaults follow MindSpore: ``eps_mode="hat"`` and decay masked by name. For
+    ``optax.adam``/``torch.optim.Adam``/Paddle numerics use ``eps_mode="corrected"``;
+    for Paddle's decay of every leaf use ``weight_decay_mask=None``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, adamkit as ak
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> tx = ak.adam(0.1, eps_mode="corrected")
+    >>> state = tx.init(params)
+    >>> grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> optax.apply_updates(params, updates)["w"]
+    Array([ 0.9, -1.9], dtype=float32)
+  """
+  check_adam_hyper(b1, b2, eps)
+  _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
+  _validate.check_bool("nesterov", nesterov)
+  _validate.check_bool("grad_centralization", grad_centralization)
+
+  def direction(b1, b2, eps):
+    return scale_by_adam(b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov, mu_dtype=mu_dtype)
+
+  return _groups.build_named(
+      direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
+      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
+      grad_clip=grad_clip, groups=groups, grad_centralization=grad_centralization,
+      nonfinite=nonfinite)

@@ -1,0 +1,126 @@
+"""AdaMax: the ``scale_by_adamax`` primitive and the named ``adamax`` optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from adamkit import _groups, _links, _masks, _schedules, _validate
+from adamkit._adam import bias_corrections, check_adam_hyper, compute_dtype
+
+
+class ScaleByAdamaxState(NamedTuple):
+  count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
+  mu: optax.Updates  # first moment, params' shapes and dtype
+  nu: optax.Updates  # infinity norm max(b2 * nu, |g|), params' shapes and dtype
+
+
+def adamax_direction(g, m, v, *, b1, b2, eps, bc1):
+  """One leaf of the AdaMax step, in the docstring's order. Returns ``(u, m, v)``."""
+  m = b1 * m + (1.0 - b1) * g
+  v = jnp.maximum(b2 * v, jnp.abs(g))
+  u = m / (bc1 * (v + eps))
+  return u, m, v
+
+
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
+                    eps: float = 1e-8) -> optax.GradientTransformation:
+  r"""Rescales updates by AdaMax's moments, MindSpore ``nn.AdaMax``'s formula.
+
+  .. math::
+
+    m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t \\
+    v_t &= \max(\beta_2 v_{t-1}, |g_t|) \\
+    u_t &= \frac{1}{1-\beta_1^t}\,\frac{m_t}{v_t + \epsilon}
+
+  .. warning::
+    optax's ``scale_by_adamax`` and ``torch.optim.Adamax`` put :math:`\epsilon` inside
+    the max (:math:`v_t = \max(\beta_2 v_{t-1}, |g_t| + \epsilon)`) and divide by
+    :math:`v_t` alone; MindSpore adds it outside. The answers differ whenever
+    :math:`|g|` is small against :math:`\epsilon`.
+
+  Args:
+    b1: decay of the first moment, in (0, 1).
+    b2: decay of the infinity norm, in (0, 1).
+    eps: added to the denominator, > 0.
+
+  Returns:
+    An ``optax.GradientTransformation`` with state :class:`ScaleByAdamaxState`.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> tx = ak.scale_by_adamax(eps=1e-8)
+    >>> u, _ = tx.update({"w": jnp.array([2.0, -4.0])}, tx.init({"w": jnp.zeros(2)}))
+    >>> u["w"]  # first step: (1-b1) g / ((1-b1) (|g| + eps)) = sign(g)
+    Array([ 1., -1.], dtype=float32)
+
+  References:
+    Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015, section 7.1.
+    Reproduces MindSpore 2.10 ``nn.AdaMax``.
+  """
+  check_adam_hyper(b1, b2, eps)
+
+  def init_fn(params):
+    _validate.check_float_params(params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+    return ScaleByAdamaxState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros)
+
+  def update_fn(updates, state, params=None):
+    del params
+    _validate.check_matching_trees(updates, state.nu, what="optimizer state")
+    count = optax.safe_increment(state.count)
+    bc1, _ = bias_corrections(b1, b2, count)
+    b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
+
+    def leaf(g, m, v):
+      dt = compute_dtype(g)
+      u, m, v = adamax_direction(g.astype(dt), m.astype(dt), v.astype(dt), b1=b1_, b2=b2_,
+                                 eps=eps_, bc1=bc1)
+      return u.astype(g.dtype), m.astype(g.dtype), v.astype(g.dtype)
+
+    out = jax.tree.map(leaf, updates, state.mu, state.nu)
+    treedef = jax.tree.structure(updates)
+    u, mu, nu = (treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(out)))
+    return u, ScaleByAdamaxState(count=count, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
+           b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.0,
+           weight_decay_mask: _masks.MaskSpec = _masks.ExcludeNames(("beta", "gamma")),
+           loss_scale: float = 1.0, grad_clip: _links.GradClip = None,
+           grad_centralization: bool = False, groups=None,
+           nonfinite: str = "propagate") -> optax.GradientTransformation:
+  r"""AdaMax with MindSpore's options (``nn.AdaMax``), as a chain of primitives.
+
+  .. math::
+
+    g &\leftarrow \mathrm{centralize}(\mathrm{decay}(\mathrm{clip}(g / s))) \\
+    w &\leftarrow w - \alpha_t\, u_t \quad \text{(} u_t \text{ from }
+        \mathtt{scale\_by\_adamax}\text{)}
+
+  Every keyword means what it means in :func:`adamkit.adam`.
+
+  .. warning::
+    The :math:`\epsilon` placement is MindSpore's, not optax's or PyTorch's: see
+    :func:`scale_by_adamax`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, adamkit as ak
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> tx = ak.adamax(0.1)
+    >>> updates, _ = tx.update({"w": jnp.array([3.0, -1.0])}, tx.init(params), params)
+    >>> optax.apply_updates(params, updates)["w"]
+    Array([ 0.9, -1.9], dtype=float32)
+  """
+  check_adam_hyper(b1, b2, eps)
+  _validate.check_bool("grad_centralization", grad_centralization)
+  return _groups.build_named(
+      scale_by_adamax, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
+      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
+      grad_clip=grad_clip, groups=groups, grad_centralization=grad_centralization,
+      nonfinite=nonfinite)

@@ -1,0 +1,223 @@
+"""Parameter groups (MindSpore / Paddle ``params=[{...}, ...]``) and the named-optimizer
+builder every ``ak.<algo>(learning_rate, ...)`` shares.
+
+A named optimizer is::
+
+  chain(check_inputs, unscale, clip,                          # global, over every leaf
+        partition({group: chain(decay, centralize, direction, -lr), ...}))
+
+Loss scale and clipping are global (Paddle's global-norm clip sees every leaf at once);
+everything after is per group. Each group's state holds only its own leaves: nothing is
+duplicated across groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import jax
+import optax
+
+from adamkit import _links, _masks, _schedules, _validate
+
+_UNSET = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """One parameter group: which leaves, and what they override.
+
+  Attributes:
+    params: which leaves belong to the group: a glob pattern or tuple of patterns matched
+      against the dotted leaf path (``'conv*'``, ``'*.bias'``), a :class:`adamkit.masks`
+      rule, or a callable ``(name, leaf) -> bool``. A leaf goes to the first group that
+      claims it; unclaimed leaves use the optimizer's own settings.
+    lr: absolute learning rate for the group, any form ``learning_rate`` takes
+      (MindSpore group ``'lr'``).
+    lr_scale: multiplier of the optimizer's learning rate (Paddle group
+      ``'learning_rate'``). At most one of ``lr`` and ``lr_scale``.
+    weight_decay: the group's decay coefficient or schedule (default: the optimizer's).
+      Inside an explicit group decay applies to every leaf of the group, whatever
+      ``weight_decay_mask`` says (MindSpore: grouping replaces the name rule).
+    b1, b2, eps: the group's Adam hyperparameters (Paddle groups accept ``beta1``...).
+    grad_centralization: centralize the gradients of this group's leaves with ndim > 1.
+    name: a label for the group (state and ``get_lr`` use it); defaults to
+      ``'group<i>'``.
+  """
+
+  params: Any
+  lr: Any = _UNSET
+  lr_scale: Any = _UNSET
+  weight_decay: Any = _UNSET
+  b1: Any = _UNSET
+  b2: Any = _UNSET
+  eps: Any = _UNSET
+  grad_centralization: bool = False
+  name: str | None = None
+
+  def claims(self, name: str, leaf: Any) -> bool:
+    sel = self.params
+    if isinstance(sel, str):
+      return fnmatch.fnmatchcase(name, sel)
+    if isinstance(sel, (tuple, list)):
+      return any(fnmatch.fnmatchcase(name, p) for p in sel)
+    if isinstance(sel, _masks.MaskRule):
+      return bool(sel.keep(name, leaf))
+    if callable(sel):
+      return bool(sel(name, leaf))
+    raise TypeError(
+        "Group `params` must be a glob pattern, a tuple of patterns, an adamkit mask rule "
+        f"or a callable (name, leaf) -> bool; got {type(sel).__name__}.")
+
+
+_DICT_KEYS = {
+    # MindSpore keys
+    "params": "params", "lr": "lr", "weight_decay": "weight_decay",
+    "grad_centralization": "grad_centralization",
+    # Paddle keys: a group's 'learning_rate' multiplies the base rate
+    "learning_rate": "lr_scale", "beta1": "b1", "beta2": "b2", "epsilon": "eps",
+    # adamkit spellings
+    "lr_scale": "lr_scale", "b1": "b1", "b2": "b2", "eps": "eps", "name": "name",
+}
+
+
+def as_group(spec: Union[Group, Mapping[str, Any]], index: int) -> Group:
+  """Accepts a :class:`Group` or a MindSpore/Paddle-style dict."""
+  if isinstance(spec, Group):
+    group = spec
+  elif isinstance(spec, Mapping):
+    unknown = set(spec) - set(_DICT_KEYS)
+    if unknown:
+      raise ValueError(f"Unknown group key(s) {sorted(unknown)}; accepted: {sorted(_DICT_KEYS)}.")
+    if "params" not in spec:
+      raise ValueError(f"Group {index} has no 'params' key.")
+    group = Group(**{_DICT_KEYS[k]: v for k, v in spec.items()})
+  else:
+    raise TypeError(f"`groups[{index}]` must be an ak.Group or a dict, got {type(spec).__name__}.")
+  if group.lr is not None and group.lr_scale is not None:
+    raise ValueError(f"Group {index}: give at most one of `lr` (absolute) and `lr_scale`.")
+  if group.lr_scale is not None:
+    _validate.check_non_negative(f"groups[{index}].lr_scale", group.lr_scale)
+  _validate.check_bool(f"groups[{index}].grad_centralization", group.grad_centralization)
+  if group.name is None:
+    group = dataclasses.replace(group, name=f"group{index}")
+  return group
+
+
+DEFAULT_LABEL = "default"
+
+
+def _labeller(groups: Sequence[Group]) -> Callable[[Any], Any]:
+  def labels(params):
+    def label(path, leaf):
+      name = _validate.path_name(path)
+      for g in groups:
+        if g.claims(name, leaf):
+          return g.name
+      return DEFAULT_LABEL
+    return jax.tree_util.tree_map_with_path(label, params)
+  return labels
+
+
+def _scaled(schedule, factor):
+  return lambda count: factor * schedule(count)
+
+
+# The direction factory is called with the resolved per-group hyperparameters; it
+# returns the ``scale_by_*`` primitive of the algorithm.
+DirectionFactory = Callable[..., optax.GradientTransformation]
+
+
+def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[str, Any],
+                weight_decay, weight_decay_mask, loss_scale, grad_clip, groups,
+                grad_centralization=False, nonfinite="propagate",
+                lr_link=None) -> optax.GradientTransformation:
+  """Assembles ``check -> unscale -> clip -> [per group: decay -> gc -> direction -> -lr]``.
+
+  ``hyper`` holds the per-group-overridable hyperparameters (``b1``, ``b2``, ``eps``),
+  already validated. ``lr_link`` builds the learning-rate link (default
+  :func:`adamkit._links.scale_by_learning_rate`).
+  """
+  _validate.check_choice("nonfinite", nonfinite, ("propagate", "skip"))
+  lr_link = lr_link or _links.scale_by_learning_rate
+  decay_kind, decay_value = _decay_form(weight_decay)
+  base_lr = _schedules.as_schedule(learning_rate, "learning_rate")
+
+  def inner(lr, wd, mask, gc, hp):
+    links = []
+    if not _is_literal_zero(wd):
+      links.append(_links.add_decay(wd, mask, kind=decay_kind))
+    if gc:
+      links.append(_links.centralize_gradients())
+    links.append(direction(**hp))
+    links.append(lr_link(lr))
+    return optax.chain(*links)
+
+  if groups is None:
+    body = inner(base_lr, decay_value, weight_decay_mask, grad_centralization, dict(hyper))
+  else:
+    if isinstance(groups, (Group, Mapping)) or not isinstance(groups, Sequence):
+      raise TypeError("`groups` must be a list of ak.Group or dicts.")
+    resolved = [as_group(g, i) for i, g in enumerate(groups)]
+    names = [g.name for g in resolved]
+    if len(set(names)) != len(names) or DEFAULT_LABEL in names:
+      raise ValueError(f"Group names must be unique and not {DEFAULT_LABEL!r}: {names}.")
+    transforms = {DEFAULT_LABEL: inner(base_lr, decay_value, weight_decay_mask,
+                                       grad_centralization, dict(hyper))}
+    for i, g in enumerate(resolved):
+      if g.lr is not None:
+        lr = _schedules.as_schedule(g.lr, f"groups[{i}].lr")
+      elif g.lr_scale is not None:
+        lr = _scaled(base_lr, g.lr_scale)
+      else:
+        lr = base_lr
+      wd = decay_value
+      if g.weight_decay is not None:
+        g_kind, wd = _decay_form(g.weight_decay)
+        if g_kind != decay_kind and not _is_literal_zero(wd):
+          raise ValueError(f"groups[{i}].weight_decay is {g_kind} but the optimizer's is {decay_kind}.")
+      hp = dict(hyper)
+      for key in ("b1", "b2", "eps"):
+        value = getattr(g, key)
+        if value is not None:
+          if key == "eps":
+            _validate.check_positive(f"groups[{i}].eps", value)
+          else:
+            _validate.check_open_unit(f"groups[{i}].{key}", value)
+          hp[key] = value
+      # MindSpore: inside an explicit group, decay applies to every leaf (no name rule).
+      transforms[g.name] = inner(lr, wd, None, g.grad_centralization, hp)
+    body = optax.partition(transforms, _labeller(resolved))
+
+  links = [_links.check_inputs()]
+  if not (isinstance(loss_scale, (int, float)) and loss_scale == 1.0):
+    links.append(_links.scale_by_loss_scale(loss_scale))
+  else:
+    _validate.check_positive("loss_scale", loss_scale)
+  clip = _links.as_clip(grad_clip)
+  if clip is not None:
+    links.append(clip)
+  links.append(body)
+  tx = optax.chain(*links)
+  if nonfinite == "skip":
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
+  return tx
+
+
+def _decay_form(weight_decay):
+  if isinstance(weight_decay, _links.L1Decay):
+    value, kind = weight_decay.coeff, "l1"
+  elif isinstance(weight_decay, _links.L2Decay):
+    value, kind = weight_decay.coeff, "l2"
+  else:
+    value, kind = weight_decay, "l2"
+  if callable(value):
+    return kind, value
+  _validate.check_non_negative("weight_decay", value)
+  return kind, value
+
+
+def _is_literal_zero(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0

@@ -1,0 +1,265 @@
+"""Chain links that the named optimizers are made of.
+
+Each is a small optax ``GradientTransformation``. The named optimizers
+(``adam``, ``adamax``, ``sparse_adam``) are nothing but a chain of these around their
+``scale_by_*`` primitive, in MindSpore's order:
+
+  check -> unscale (loss scale) -> clip -> weight decay -> centralize -> direction -> -lr
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from adamkit import _masks, _schedules, _validate
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_inputs() -> optax.GradientTransformation:
+  """Rejects integer params at ``init`` and gradients that do not match the params.
+
+  Stateless; every check happens while tracing, so it costs nothing in the compiled step.
+  """
+
+  def init_fn(params):
+    _validate.check_float_params(params)
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    _validate.check_matching_trees(updates, params)
+    return updates, state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------- loss scale
+
+
+def scale_by_loss_scale(loss_scale: float) -> optax.GradientTransformation:
+  r"""Divides the gradient by a fixed loss scale: :math:`g \leftarrow g / s`.
+
+  MindSpore's ``loss_scale`` argument (used with ``FixedLossScaleManager(drop_overflow_
+  update=False)``): the gradients arrive multiplied by ``s`` and are restored here, before
+  clipping and weight decay, so the decay term is ``wd * w`` whatever ``s`` is.
+  """
+  _validate.check_positive("loss_scale", loss_scale)
+
+  def update_fn(updates, state, params=None):
+    del params
+    inv = 1.0 / jnp.asarray(loss_scale, jnp.float32)
+    return jax.tree.map(lambda g: g * inv.astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+# ------------------------------------------------------------------------- clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipGradByGlobalNorm:
+  r"""Paddle ``ClipGradByGlobalNorm``: :math:`g \leftarrow g \cdot c / \max(\|g\|_2, c)`,
+  the norm taken over every leaf together."""
+
+  clip_norm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipGradByNorm:
+  r"""Paddle ``ClipGradByNorm``: each leaf on its own,
+  :math:`g \leftarrow g \cdot c / \max(\|g\|_2, c)`."""
+
+  clip_norm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipGradByValue:
+  r"""Paddle ``ClipGradByValue``: :math:`g \leftarrow \mathrm{clip}(g, min, max)`;
+  ``min`` defaults to ``-max``."""
+
+  max: float
+  min: float | None = None
+
+
+GradClip = Union[None, ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue,
+                 optax.GradientTransformation]
+
+
+def clip_by_norm(clip_norm: float) -> optax.GradientTransformation:
+  """Per-leaf L2-norm clipping (Paddle ``ClipGradByNorm``)."""
+  _validate.check_positive("clip_norm", clip_norm)
+
+  def update_fn(updates, state, params=None):
+    del params
+
+    def clip(g):
+      g32 = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+      norm = jnp.sqrt(jnp.sum(g32 * g32))
+      factor = clip_norm / jnp.maximum(norm, clip_norm)
+      return (g32 * factor).astype(g.dtype)
+
+    return jax.tree.map(clip, updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+def clip_by_value(max_value: float, min_value: float | None = None):
+  """Element-wise clipping to ``[min_value, max_value]`` (Paddle ``ClipGradByValue``)."""
+  lo = -max_value if min_value is None else min_value
+  if not lo < max_value:
+    raise ValueError(f"`min` must be < `max` for ClipGradByValue, got min={lo}, max={max_value}.")
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda g: jnp.clip(g, lo, max_value).astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+def as_clip(grad_clip: GradClip) -> optax.GradientTransformation | None:
+  """The optax transform for one of Paddle's clip strategies (or a transform itself)."""
+  if grad_clip is None:
+    return None
+  if isinstance(grad_clip, ClipGradByGlobalNorm):
+    _validate.check_positive("clip_norm", grad_clip.clip_norm)
+    return optax.clip_by_global_norm(grad_clip.clip_norm)
+  if isinstance(grad_clip, ClipGradByNorm):
+    return clip_by_norm(grad_clip.clip_norm)
+  if isinstance(grad_clip, ClipGradByValue):
+    return clip_by_value(grad_clip.max, grad_clip.min)
+  if isinstance(grad_clip, optax.GradientTransformation):
+    return grad_clip
+  raise TypeError(
+      "`grad_clip` must be None, ak.ClipGradByGlobalNorm, ak.ClipGradByNorm, "
+      f"ak.ClipGradByValue or an optax GradientTransformation; got {type(grad_clip).__name__}.")
+
+
+# ---------------------------------------------------------------------- weight decay
+
+
+@dataclasses.dataclass(frozen=True)
+class L2Decay:
+  r"""L2 regularisation added to the gradient: :math:`g \leftarrow g + c\,w`.
+
+  A plain number given as ``weight_decay`` means the same (MindSpore and Paddle).
+  """
+
+  coeff: Any = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class L1Decay:
+  r"""Paddle's ``L1Decay``: :math:`g \leftarrow g + c\,\mathrm{sign}(w)`."""
+
+  coeff: Any = 0.0
+
+
+class AddDecayState(NamedTuple):
+  count: jax.Array  # int32 scalar, steps taken; drives a weight-decay schedule
+
+
+def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
+              kind: str = "l2") -> optax.GradientTransformation:
+  r"""Adds an L2 (:math:`g + \lambda_t w`) or L1 (:math:`g + \lambda_t\,\mathrm{sign}(w)`)
+  penalty's gradient to the leaves chosen by ``mask``.
+
+  ``weight_decay`` is a number ``>= 0`` or a schedule ``count -> value`` (MindSpore's
+  dynamic weight decay). This is coupled L2 decay, as in MindSpore ``nn.Adam`` and Paddle
+  ``Adam(weight_decay=float)``, not AdamW's decoupled decay.
+  """
+  _validate.check_choice("kind", kind, ("l2", "l1"))
+  if not callable(weight_decay):
+    _validate.check_non_negative("weight_decay", weight_decay)
+
+  def init_fn(params):
+    del params
+    return AddDecayState(count=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("Weight decay needs `params`: call `update(grads, state, params)`.")
+    wd = _schedules.scalar_or_schedule(weight_decay, state.count)
+    keep = _masks.resolve_mask(mask, params)
+
+    def decay(g, w, k):
+      if g is None or not k:
+        return g
+      term = w if kind == "l2" else jnp.sign(w)
+      return g + (wd * term.astype(jnp.float32)).astype(g.dtype)
+
+    new = jax.tree.map(decay, updates, params, keep, is_leaf=lambda x: x is None)
+    return new, AddDecayState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# -------------------------------------------------------------- centralization
+
+
+def centralize_gradients() -> optax.GradientTransformation:
+  r"""Gradient centralization (MindSpore ``grad_centralization``).
+
+  For every leaf with ``ndim > 1``: :math:`g \leftarrow g - \mathrm{mean}(g)` over all
+  axes but the first (the output-channel axis of a kernel). 0-d and 1-D leaves are left
+  alone.
+  """
+
+  def centralize(g):
+    if g is None or g.ndim <= 1:
+      return g
+    axes = tuple(range(1, g.ndim))
+    mean = jnp.mean(g.astype(jnp.float32), axis=axes, keepdims=True)
+    return (g.astype(jnp.float32) - mean).astype(g.dtype)
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jax.tree.map(centralize, updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+# -------------------------------------------------------------------- learning rate
+
+
+class ScaleByLearningRateState(NamedTuple):
+  count: jax.Array  # int32 scalar, steps taken
+  learning_rate: jax.Array  # float32 scalar, the rate the *next* step will use
+
+
+def scale_by_learning_rate(learning_rate: _schedules.ScalarOrSchedule
+                           ) -> optax.GradientTransformation:
+  r"""Multiplies the direction by :math:`-\alpha_t`.
+
+  ``learning_rate`` takes every form of :func:`adamkit.as_schedule`. The state records the
+  rate the next step will use, which :func:`adamkit.get_lr` reads (Paddle ``get_lr``).
+  """
+  schedule = _schedules.as_schedule(learning_rate, "learning_rate")
+
+  def init_fn(params):
+    del params
+    zero = jnp.zeros([], jnp.int32)
+    return ScaleByLearningRateState(count=zero, learning_rate=_lr_at(schedule, zero))
+
+  def update_fn(updates, state, params=None):
+    del params
+    lr = _lr_at(schedule, state.count)
+    count = optax.safe_increment(state.count)
+    new = jax.tree.map(lambda u: (-lr * u.astype(_compute_dtype(u))).astype(u.dtype), updates)
+    return new, ScaleByLearningRateState(count=count, learning_rate=_lr_at(schedule, count))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _compute_dtype(x):
+  """float32, or the leaf's own dtype when it is wider (float64 under x64)."""
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _lr_at(schedule, count):
+  return jnp.asarray(schedule(count), jnp.float32)

@@ -1,0 +1,18 @@
+"""Weight-decay mask rules: ``ak.masks.mindspore_rule()``, ``flax_rule()``, ``ndim_rule()``,
+``exclude_names(...)``, ``match_names(...)``."""
+
+from adamkit._masks import (
+    ExcludeNames,
+    MaskRule,
+    MatchNames,
+    MinNdim,
+    exclude_names,
+    flax_rule,
+    match_names,
+    mindspore_rule,
+    ndim_rule,
+    resolve_mask,
+)
+
+__all__ = ["ExcludeNames", "MaskRule", "MatchNames", "MinNdim", "exclude_names", "flax_rule",
+           "match_names", "mindspore_rule", "ndim_rule", "resolve_mask"]
