@@ -27,6 +27,7 @@ from adamkit._links import (
 from adamkit._schedules import as_schedule
 
 # --- checkpoint / state helpers (core) ---
+from adamkit._checkpoint import get_lr, load_state_dict, state_dict
 # --- sparse (issue 3) ---
 # --- offload (issue 4) ---
 # --- speed (issue 5) ---
@@ -50,6 +51,9 @@ __all__ = [
     "add_decay",
     "as_schedule",
     "centralize_gradients",
+    "get_lr",
+    "load_state_dict",
+    "state_dict",
     "clip_by_norm",
     "masks",
     "scale_by_adam",

@@ -22,6 +22,14 @@ def compute_dtype(x) -> jnp.dtype:
   return jnp.promote_types(x.dtype, jnp.float32)
 
 
+def tree_map_multi(fn, n_out: int, tree, *rest):
+  """``jax.tree.map`` for a ``fn`` returning an ``n_out``-tuple: returns ``n_out`` trees."""
+  leaves, treedef = jax.tree.flatten(tree)
+  others = [treedef.flatten_up_to(r) for r in rest]
+  outs = [fn(*args) for args in zip(leaves, *others)]
+  return tuple(treedef.unflatten([o[i] for o in outs]) for i in range(n_out))
+
+
 def bias_corrections(b1, b2, count):
   """``(1 - b1**t, 1 - b2**t)`` as float32 scalars, ``t = count`` (1-based)."""
   t = count.astype(jnp.float32)
@@ -114,18 +122,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     bc1, bc2 = bias_corrections(b1, b2, count)
     b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
 
-    def leaf(g, m, v):
+    def leaf(g, m_old, v_old):
       dt = compute_dtype(g)
-      u, m, v = adam_direction(g.astype(dt), m.astype(dt), v.astype(dt), b1=b1_, b2=b2_,
+      u, m, v = adam_direction(g.astype(dt), m_old.astype(dt), v_old.astype(dt), b1=b1_, b2=b2_,
                                eps=eps_, bc1=bc1, bc2=bc2, eps_mode=eps_mode,
                                nesterov=nesterov)
-      return u.astype(g.dtype), m, v
+      return u.astype(g.dtype), m.astype(m_old.dtype), v.astype(v_old.dtype)
 
-    out = jax.tree.map(leaf, updates, state.mu, state.nu)
-    treedef = jax.tree.structure(updates)
-    u, mu, nu = (treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(out)))
-    mu = jax.tree.map(lambda new, old: new.astype(old.dtype), mu, state.mu)
-    nu = jax.tree.map(lambda new, old: new.astype(old.dtype), nu, state.nu)
+    u, mu, nu = tree_map_multi(leaf, 3, updates, state.mu, state.nu)
     return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _groups, _links, _masks, _schedules, _validate
-from adamkit._adam import bias_corrections, check_adam_hyper, compute_dtype
+from adamkit._adam import bias_corrections, check_adam_hyper, compute_dtype, tree_map_multi
 
 
 class ScaleByAdamaxState(NamedTuple):
@@ -75,15 +75,13 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
     bc1, _ = bias_corrections(b1, b2, count)
     b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
 
-    def leaf(g, m, v):
+    def leaf(g, m_old, v_old):
       dt = compute_dtype(g)
-      u, m, v = adamax_direction(g.astype(dt), m.astype(dt), v.astype(dt), b1=b1_, b2=b2_,
+      u, m, v = adamax_direction(g.astype(dt), m_old.astype(dt), v_old.astype(dt), b1=b1_, b2=b2_,
                                  eps=eps_, bc1=bc1)
-      return u.astype(g.dtype), m.astype(g.dtype), v.astype(g.dtype)
+      return u.astype(g.dtype), m.astype(m_old.dtype), v.astype(v_old.dtype)
 
-    out = jax.tree.map(leaf, updates, state.mu, state.nu)
-    treedef = jax.tree.structure(updates)
-    u, mu, nu = (treedef.unflatten(x) for x in zip(*treedef.flatten_up_to(out)))
+    u, mu, nu = tree_map_multi(leaf, 3, updates, state.mu, state.nu)
     return u, ScaleByAdamaxState(count=count, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,153 @@
+"""Named views of an optimizer state: save/restore as flat dicts, and the next learning rate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from adamkit._adam import ScaleByAdamState
+from adamkit._adamax import ScaleByAdamaxState
+from adamkit._links import ScaleByLearningRateState
+from adamkit._validate import path_name
+
+_MOMENT_STATES = (ScaleByAdamState, ScaleByAdamaxState)
+
+
+def _is_moment_state(x) -> bool:
+  return isinstance(x, _MOMENT_STATES)
+
+
+def _group_of(path) -> str:
+  """The parameter-group label in a path through ``optax.partition``'s state, or ''."""
+  for prev, key in zip(path, path[1:]):
+    if isinstance(prev, jax.tree_util.GetAttrKey) and prev.name == "inner_states" and \
+        isinstance(key, jax.tree_util.DictKey):
+      return str(key.key)
+  return ""
+
+
+def _named_leaves(state: Any) -> list[tuple[str, Any]]:
+  """``(name, leaf)`` for every array leaf of ``state``, in ``jax.tree.leaves`` order."""
+  nodes, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_moment_state)
+  n_moment = sum(1 for _, n in nodes if _is_moment_state(n))
+  out = []
+  for path, node in nodes:
+    if not _is_moment_state(node):
+      out.append(("state." + (path_name(path) or "root"), node))
+      continue
+    group = _group_of(path)
+    prefix = ""
+    if n_moment > 1:
+      prefix = (group or path_name(path)) + "."
+    out.append((prefix + "step", node.count))
+    for field, suffix in (("mu", "moment1"), ("nu", "moment2")):
+      for p, leaf in jax.tree_util.tree_flatten_with_path(getattr(node, field))[0]:
+        out.append((f"{path_name(p) or 'param'}.{suffix}", leaf))
+  return out
+
+
+def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
+  """A flat dict of named NumPy arrays for ``state``: MindSpore/Paddle-style names.
+
+  Moments are named after the parameter they belong to: ``"<param>.moment1"`` (first
+  moment, Paddle ``moment1`` / MindSpore ``moment1.<param>``) and ``"<param>.moment2"``;
+  the step count is ``"step"`` (``"<group>.step"`` with parameter groups). Every other
+  state leaf (schedule counters, ...) is kept under ``"state.<path>"`` so that
+  :func:`load_state_dict` restores the whole state exactly.
+
+  Args:
+    state: an optimizer state from ``tx.init`` / ``tx.update``.
+    params: optional; when given, every ``"<param>.moment*"`` entry is checked to name a
+      leaf of ``params`` with the same shape.
+
+  Returns:
+    ``dict[str, numpy.ndarray]``.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> params = {"fc": {"weight": jnp.ones((2, 3))}}
+    >>> sd = ak.state_dict(ak.adam().init(params), params)
+    >>> sorted(k for k in sd if not k.startswith("state."))
+    ['fc.weight.moment1', 'fc.weight.moment2', 'step']
+  """
+  named = _named_leaves(state)
+  names = [n for n, _ in named]
+  dupes = {n for n in names if names.count(n) > 1}
+  if dupes:
+    raise ValueError(f"state_dict: names {sorted(dupes)} are ambiguous in this state.")
+  out = {name: np.asarray(leaf) for name, leaf in named}
+  if params is not None:
+    shapes = {path_name(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for name, arr in out.items():
+      if name.endswith((".moment1", ".moment2")):
+        pname = name.rsplit(".", 1)[0]
+        if pname in shapes and shapes[pname] != arr.shape:
+          raise ValueError(f"state_dict: '{name}' has shape {arr.shape}, param has {shapes[pname]}.")
+  return out
+
+
+def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = True) -> Any:
+  """The inverse of :func:`state_dict`: a state shaped like ``like_state``.
+
+  Each array is cast to the dtype of the matching leaf of ``like_state`` and, where that
+  leaf is a ``jax.Array``, placed with the same sharding (device and memory kind: an
+  offloaded state comes back in host memory).
+
+  Args:
+    flat: the dict from :func:`state_dict` (NumPy or JAX arrays).
+    like_state: a template, typically ``tx.init(params)``.
+    strict: if True, keys in ``flat`` that the template does not have raise an error.
+
+  Raises:
+    KeyError: a name the template needs is missing from ``flat``.
+    ValueError: a shape differs from the template, or (``strict``) unknown keys.
+  """
+  named = _named_leaves(like_state)
+  missing = [n for n, _ in named if n not in flat]
+  if missing:
+    raise KeyError(f"load_state_dict: missing entries {missing[:8]}{'...' if len(missing) > 8 else ''}.")
+  if strict:
+    extra = set(flat) - {n for n, _ in named}
+    if extra:
+      raise ValueError(f"load_state_dict: unexpected entries {sorted(extra)[:8]}.")
+  leaves = []
+  for name, like in named:
+    value = np.asarray(flat[name])
+    if value.shape != np.shape(like):
+      raise ValueError(f"load_state_dict: '{name}' has shape {value.shape}, expected {np.shape(like)}.")
+    value = value.astype(like.dtype)
+    if isinstance(like, jax.Array):
+      leaves.append(jax.device_put(value, like.sharding))
+    else:
+      leaves.append(jnp.asarray(value))
+  return jax.tree.unflatten(jax.tree.structure(like_state), leaves)
+
+
+def get_lr(state: Any):
+  """The learning rate the next ``update`` will use (Paddle ``Optimizer.get_lr``).
+
+  Returns a float32 scalar, or ``{group: scalar}`` when the optimizer has parameter
+  groups (the ungrouped leaves are ``"default"``).
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> tx = ak.adam([0.1, 0.05, 0.01])
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> float(ak.get_lr(state))
+    0.1
+    >>> _, state = tx.update({"w": jnp.ones(2)}, state, params)
+    >>> float(ak.get_lr(state))
+    0.05
+  """
+  is_lr = lambda x: isinstance(x, ScaleByLearningRateState)  # noqa: E731
+  found = [(p, n) for p, n in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_lr)[0]
+           if is_lr(n)]
+  if not found:
+    raise ValueError("get_lr: this state has no adamkit learning-rate link.")
+  if len(found) == 1:
+    return found[0][1].learning_rate
+  return {(_group_of(p) or path_name(p)): n.learning_rate for p, n in found}

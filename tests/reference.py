@@ -1,0 +1,79 @@
+"""Independent float64 NumPy implementations of the formulas, step by step.
+
+Written from the seed documents and ../shared/golden/README.md, sharing no code with
+adamkit. Each function takes dicts of NumPy arrays keyed by parameter name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(tree):
+  return {k: np.asarray(v, np.float64) for k, v in tree.items()}
+
+
+class NumpyAdam:
+  """MindSpore nn.Adam / Paddle Adam, with every option of ak.adam, in float64."""
+
+  def __init__(self, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, *, eps_mode="hat",
+               nesterov=False, weight_decay=0.0, decay=lambda name: True, loss_scale=1.0,
+               l1=False, clip=None, gc=lambda name: False, algo="adam", lr_of=None):
+    self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
+    self.eps_mode, self.nesterov, self.algo = eps_mode, nesterov, algo
+    self.wd, self.decay, self.loss_scale, self.l1 = weight_decay, decay, loss_scale, l1
+    self.clip, self.gc = clip, gc
+    self.lr_of = lr_of  # optional: name -> lr multiplier function of the step
+    self.t = 0
+    self.m, self.v = {}, {}
+
+  def lr_at(self, t):
+    lr = self.lr
+    if callable(lr):
+      return float(lr(t))
+    if np.ndim(lr) == 1 or isinstance(lr, (list, tuple)):
+      arr = np.asarray(lr, np.float64)
+      return float(arr[min(t, len(arr) - 1)])
+    return float(lr)
+
+  def step(self, params, grads):
+    params, grads = _f64(params), _f64(grads)
+    grads = {k: g / self.loss_scale for k, g in grads.items()}
+    if self.clip is not None:
+      kind, c = self.clip
+      if kind == "global":
+        norm = np.sqrt(sum(np.sum(g * g) for g in grads.values()))
+        grads = {k: g * c / max(norm, c) for k, g in grads.items()}
+      elif kind == "norm":
+        grads = {k: g * c / max(np.sqrt(np.sum(g * g)), c) for k, g in grads.items()}
+      else:
+        grads = {k: np.clip(g, -c, c) for k, g in grads.items()}
+    wd = self.wd(self.t) if callable(self.wd) else self.wd
+    out = {}
+    t = self.t + 1
+    lr = self.lr_at(self.t)
+    for k, w in params.items():
+      g = grads[k]
+      if self.decay(k):
+        g = g + wd * (np.sign(w) if self.l1 else w)
+      if self.gc(k) and g.ndim > 1:
+        g = g - g.mean(axis=tuple(range(1, g.ndim)), keepdims=True)
+      m = self.m.get(k, np.zeros_like(w))
+      v = self.v.get(k, np.zeros_like(w))
+      m = self.b1 * m + (1 - self.b1) * g
+      if self.algo == "adamax":
+        v = np.maximum(self.b2 * v, np.abs(g))
+        step = lr / (1 - self.b1 ** t) * m / (v + self.eps)
+      else:
+        v = self.b2 * v + (1 - self.b2) * g * g
+        num = self.b1 * m + (1 - self.b1) * g if self.nesterov else m
+        if self.eps_mode == "hat":
+          step = lr * np.sqrt(1 - self.b2 ** t) / (1 - self.b1 ** t) * num / (np.sqrt(v) + self.eps)
+        else:
+          step = lr * (num / (1 - self.b1 ** t)) / (np.sqrt(v / (1 - self.b2 ** t)) + self.eps)
+      if self.lr_of is not None:
+        step = step * self.lr_of(k)
+      self.m[k], self.v[k] = m, v
+      out[k] = w - step
+    self.t = t
+    return out
