@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _masks, _schedules, _validate
+from adamkit._sparse_types import RowSparse, is_row_sparse, map_values, safe_ids
 
 
 # ---------------------------------------------------------------------------- checks
@@ -54,7 +55,8 @@ def scale_by_loss_scale(loss_scale: float) -> optax.GradientTransformation:
   def update_fn(updates, state, params=None):
     del params
     inv = 1.0 / jnp.asarray(loss_scale, jnp.float32)
-    return jax.tree.map(lambda g: g * inv.astype(g.dtype), updates), state
+    unscale = lambda g: map_values(lambda x: x * inv.astype(x.dtype), g)  # noqa: E731
+    return jax.tree.map(unscale, updates, is_leaf=is_row_sparse), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
@@ -190,10 +192,14 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
     def decay(g, w, k):
       if g is None or not k:
         return g
+      if isinstance(g, RowSparse):  # MindSpore: only the touched rows decay
+        w = w.at[safe_ids(g.indices, g.num_rows)].get(mode="fill", fill_value=0)
+        return g.with_values(decay(g.values, w, k))
       term = w if kind == "l2" else jnp.sign(w)
       return g + (wd * term.astype(jnp.float32)).astype(g.dtype)
 
-    new = jax.tree.map(decay, updates, params, keep, is_leaf=lambda x: x is None)
+    new = jax.tree.map(decay, updates, params, keep,
+                       is_leaf=lambda x: x is None or is_row_sparse(x))
     return new, AddDecayState(count=optax.safe_increment(state.count))
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -250,7 +256,8 @@ def scale_by_learning_rate(learning_rate: _schedules.ScalarOrSchedule
     del params
     lr = _lr_at(schedule, state.count)
     count = optax.safe_increment(state.count)
-    new = jax.tree.map(lambda u: (-lr * u.astype(_compute_dtype(u))).astype(u.dtype), updates)
+    scale = lambda u: (-lr * u.astype(_compute_dtype(u))).astype(u.dtype)  # noqa: E731
+    new = jax.tree.map(lambda u: map_values(scale, u), updates, is_leaf=is_row_sparse)
     return new, ScaleByLearningRateState(count=count, learning_rate=_lr_at(schedule, count))
 
   return optax.GradientTransformation(init_fn, update_fn)

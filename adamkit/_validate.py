@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adamkit._sparse_types import is_row_sparse
+
 
 def _is_tracer(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
@@ -105,14 +107,15 @@ def check_matching_trees(updates: Any, reference: Any, *, what: str = "params") 
   """Raises a ValueError if ``updates`` and ``reference`` differ in structure or shapes."""
   if reference is None:
     return
-  u_def = jax.tree.structure(updates)
+  # A RowSparse gradient stands for its whole table: one leaf of shape (num_rows, ...).
+  u_def = jax.tree.structure(updates, is_leaf=is_row_sparse)
   r_def = jax.tree.structure(reference)
   if u_def != r_def:
     raise ValueError(
         f"The gradient tree does not match the {what} tree.\n"
         f"  gradients: {u_def}\n  {what}: {r_def}")
-  for (path, u), r in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
-                          jax.tree.leaves(reference)):
+  flat = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)[0]
+  for (path, u), r in zip(flat, jax.tree.leaves(reference)):
     if np.shape(u) != np.shape(r):
       raise ValueError(
           f"Gradient '{path_name(path) or '<root>'}' has shape {np.shape(u)} but the "

@@ -1,0 +1,196 @@
+"""The row-sparse gradient type.
+
+Kept free of other adamkit imports so that the core chain links (``_links``, ``_validate``)
+can recognise a :class:`RowSparse` leaf without an import cycle.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _is_tracer(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def check_row_args(indices: Any, values: Any, num_rows: int, *, indices_name: str = "indices",
+                   values_name: str = "values", row_shape: tuple | None = None,
+                   table_name: str = "the table"):
+  """Validates one row-sparse gradient; returns ``(indices, values)`` as JAX arrays.
+
+  Concrete (non-traced) ids are range-checked here, on the host, *before* any cast, so an
+  int64 id past int32 cannot wrap onto a valid row.
+  """
+  if not hasattr(indices, "dtype"):
+    indices = np.asarray(indices)
+  if not hasattr(values, "dtype"):
+    values = np.asarray(values, dtype=np.float32)
+  if not (jnp.issubdtype(indices.dtype, jnp.integer)
+          and not jnp.issubdtype(indices.dtype, jnp.bool_)):
+    raise TypeError(
+        f"`{indices_name}` must be an integer array (int32 or int64) of row ids, got dtype "
+        f"{indices.dtype}.")
+  if np.ndim(indices) != 1:
+    raise ValueError(
+        f"`{indices_name}` must be 1-D, shape (k,), got shape {np.shape(indices)}.")
+  if not jnp.issubdtype(values.dtype, jnp.floating):
+    raise TypeError(f"`{values_name}` must be a floating-point array, got dtype {values.dtype}.")
+  k = np.shape(indices)[0]
+  if np.ndim(values) < 1 or np.shape(values)[0] != k:
+    raise ValueError(
+        f"`{values_name}` must have shape (k, *row_shape) with k = len({indices_name}) = {k}, "
+        f"got shape {np.shape(values)}.")
+  if row_shape is not None and tuple(np.shape(values)[1:]) != tuple(row_shape):
+    raise ValueError(
+        f"`{values_name}` rows have shape {tuple(np.shape(values)[1:])} but the rows of "
+        f"{table_name} have shape {tuple(row_shape)}: expected `{values_name}` of shape "
+        f"({k}, *{tuple(row_shape)}).")
+  if not _is_tracer(indices):
+    host = np.asarray(indices)
+    bad = np.flatnonzero((host < 0) | (host >= num_rows))
+    if bad.size:
+      pos = int(bad[0])
+      raise ValueError(
+          f"`{indices_name}` holds row id {int(host[pos])} (position {pos}), outside "
+          f"{table_name} of {num_rows} rows: ids must lie in [0, {num_rows}). Inside jit "
+          "such ids are dropped; see adamkit.check_row_ids for a checkify check.")
+    if host.dtype != np.int32 and num_rows <= np.iinfo(np.int32).max:
+      indices = host.astype(np.int32)
+  return jnp.asarray(indices), jnp.asarray(values)
+
+
+def _check_num_rows(num_rows: Any) -> int:
+  if isinstance(num_rows, (bool, np.bool_)) or not isinstance(num_rows, numbers.Integral):
+    raise TypeError(f"`num_rows` must be a Python int >= 0 (a static table size), got "
+                    f"{num_rows!r} ({type(num_rows).__name__}).")
+  if num_rows < 0:
+    raise ValueError(f"`num_rows` must be >= 0, got {num_rows}.")
+  return int(num_rows)
+
+
+def safe_ids(indices: jax.Array, num_rows: int) -> jax.Array:
+  """Maps every id outside ``[0, num_rows)`` to ``num_rows``.
+
+  JAX wraps negative indices Python-style, so ``-1`` would reach the last row; after this
+  every bad id is one past the end, which ``mode="drop"`` scatters ignore and
+  ``mode="fill"`` gathers read as zero.
+  """
+  valid = (indices >= 0) & (indices < num_rows)
+  return jnp.where(valid, indices, jnp.asarray(num_rows, indices.dtype))
+
+
+@jax.tree_util.register_pytree_node_class
+class RowSparse:
+  r"""A row-sparse gradient of an ``(num_rows, *row_shape)`` table.
+
+  Densified, it is :math:`G[i] = \sum_{j:\,\mathrm{indices}_j = i} \mathrm{values}_j`:
+  duplicate ids are allowed and add up (MindSpore ``RowTensor``, TensorFlow
+  ``IndexedSlices``, a coalesced or uncoalesced ``torch.sparse_coo`` with one sparse dim).
+
+  A pytree whose children are ``indices`` and ``values``; ``num_rows`` is static. adamkit's
+  links treat a ``RowSparse`` as one leaf standing for the whole table.
+
+  Args:
+    indices: int32/int64 row ids, shape ``(k,)``.
+    values: one row of gradient per id, shape ``(k, *row_shape)``, floating point.
+    num_rows: number of rows of the table, a Python int.
+
+  Raises:
+    TypeError: float or boolean ``indices``, non-float ``values``, non-int ``num_rows``.
+    ValueError: ``values.shape[0] != len(indices)``; outside jit, an id outside
+      ``[0, num_rows)`` (the message names it). Inside jit ids are not checked: such
+      rows are dropped by adamkit (see :func:`adamkit.check_row_ids`).
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> g = ak.RowSparse(jnp.array([2, 0, 2]), jnp.ones((3, 2)), num_rows=4)
+    >>> g.shape
+    (4, 2)
+    >>> g.todense()[:, 0]
+    Array([1., 0., 2., 0.], dtype=float32)
+  """
+
+  __slots__ = ("indices", "values", "num_rows")
+
+  def __init__(self, indices: Any, values: Any, num_rows: int):
+    num_rows = _check_num_rows(num_rows)
+    indices, values = check_row_args(indices, values, num_rows)
+    self.indices = indices
+    self.values = values
+    self.num_rows = num_rows
+
+  # -- pytree protocol: no validation, JAX passes placeholders through here.
+  def tree_flatten(self):
+    return (self.indices, self.values), self.num_rows
+
+  @classmethod
+  def tree_unflatten(cls, num_rows, children):
+    obj = object.__new__(cls)
+    obj.indices, obj.values = children
+    obj.num_rows = num_rows
+    return obj
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The dense shape ``(num_rows, *row_shape)``."""
+    return (self.num_rows, *self.values.shape[1:])
+
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def with_values(self, values: jax.Array) -> RowSparse:
+    """The same ids with new values (no checks, works under jit)."""
+    return RowSparse.tree_unflatten(self.num_rows, (self.indices, values))
+
+  def todense(self) -> jax.Array:
+    """The dense ``(num_rows, *row_shape)`` array; duplicates summed, bad ids dropped."""
+    ids = safe_ids(self.indices, self.num_rows)
+    zeros = jnp.zeros(self.shape, self.values.dtype)
+    return zeros.at[ids].add(self.values, mode="drop")
+
+  def coalesce(self) -> RowSparse:
+    """Merges duplicate ids (values summed) with static shapes, so it works under jit.
+
+    The result has the same length ``k``: sorted unique ids first, then unused slots
+    holding the out-of-range id ``num_rows`` with zero values, which adamkit's scatters
+    drop. Ids outside ``[0, num_rows)`` end up in those slots too.
+    """
+    k = self.indices.shape[0]
+    if k == 0:
+      return self
+    ids = safe_ids(self.indices, self.num_rows)
+    uniq, inverse = jnp.unique(ids, size=k, fill_value=self.num_rows, return_inverse=True)
+    wide = jnp.promote_types(self.values.dtype, jnp.float32)
+    summed = jax.ops.segment_sum(self.values.astype(wide), inverse.reshape(-1),
+                                 num_segments=k)
+    return RowSparse.tree_unflatten(self.num_rows, (uniq, summed.astype(self.values.dtype)))
+
+  def __repr__(self):
+    return (f"RowSparse(num_rows={self.num_rows}, k={self.indices.shape[0]}, "
+            f"row_shape={tuple(self.values.shape[1:])}, dtype={self.values.dtype})")
+
+
+def is_row_sparse(x: Any) -> bool:
+  """``is_leaf`` predicate: a :class:`RowSparse` counts as one leaf."""
+  return isinstance(x, RowSparse)
+
+
+def map_values(fn: Callable[[jax.Array], jax.Array], g: Any) -> Any:
+  """``fn(g)`` for a dense leaf, ``fn`` applied to the values of a :class:`RowSparse`.
+
+  Right for every element-wise or per-row map ``fn`` with ``fn(0) = 0`` (scaling, the
+  learning rate, per-row centralization), given coalesced ids.
+  """
+  if isinstance(g, RowSparse):
+    return g.with_values(fn(g.values))
+  return fn(g)
