@@ -1,0 +1,235 @@
+"""Importing Paddle / MindSpore optimizer state: the trajectory continues unchanged."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import adamkit as ak
+from conftest import load_golden
+
+B1, B2 = 0.9, 0.999
+
+
+def _params(key=0):
+  k1, k2 = jax.random.split(jax.random.key(key))
+  return {"linear_0.w_0": jax.random.normal(k1, (3, 4)),
+          "linear_0.b_0": jax.random.normal(k2, (4,))}
+
+
+def _grads(n, params, key=1):
+  """``n`` gradient pytrees, fixed by ``key``."""
+  keys = jax.random.split(jax.random.key(key), n)
+  return [jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params) for k in keys]
+
+
+def _run(tx, params, state, grads):
+  step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+  for g in grads:
+    u, state = step(g, state, params)
+    params = optax.apply_updates(params, u)
+  return params, state
+
+
+def _f32_powers(beta, n):
+  """``beta`` multiplied into a float32 accumulator ``n`` times, as the frameworks do."""
+  acc = np.float32(1.0)
+  for _ in range(n):
+    acc = np.float32(acc * np.float32(beta))
+  return acc
+
+
+def _paddle_layout(state, t):
+  """A Paddle ``.pdopt``-style dict for an adamkit state after ``t`` steps."""
+  sd = ak.state_dict(state)
+  out = {}
+  for key, value in sd.items():
+    for ours, theirs in ((".moment1", "_moment1_0"), (".moment2", "_moment2_0")):
+      if key.endswith(ours) and not key.startswith("state."):
+        name = key[: -len(ours)]
+        out[name + theirs] = value
+        out[name + "_beta1_pow_acc_0"] = np.array([_f32_powers(B1, t + 1)])
+        out[name + "_beta2_pow_acc_0"] = np.array([_f32_powers(B2, t + 1)])
+  out["LR_Scheduler"] = {"last_epoch": t}  # present in real .pdopt files; ignored
+  return out
+
+
+def _mindspore_layout(state, t, names=lambda n: n):
+  sd = ak.state_dict(state)
+  out = {"beta1_power": np.array([_f32_powers(B1, t)]), "global_step": np.array([0], np.int32)}
+  for key, value in sd.items():
+    for suffix in ("moment1", "moment2"):
+      if key.endswith("." + suffix) and not key.startswith("state."):
+        out[f"{suffix}.{names(key[: -len(suffix) - 1])}"] = value
+  return out
+
+
+PADDLE_TX = dict(
+    plain=lambda: ak.adam(0.01, weight_decay=0.01, eps_mode="corrected", weight_decay_mask=None),
+    schedule=lambda: ak.adam(optax.linear_schedule(0.02, 0.001, 12), weight_decay=0.01,
+                             eps_mode="corrected", weight_decay_mask=None),
+    groups=lambda: ak.adam(0.01, eps_mode="corrected",
+                           groups=[{"params": "*.b_0", "learning_rate": 0.5}]),
+)
+
+
+@pytest.mark.parametrize("case", sorted(PADDLE_TX))
+def test_paddle_import_continues_bit_identical(case):
+  n, m = 7, 5
+  params = _params()
+  grads = _grads(n + m, params)
+  tx = PADDLE_TX[case]()
+  p_mid, s_mid = _run(tx, params, tx.init(params), grads[:n])
+  p_full, s_full = _run(tx, p_mid, s_mid, grads[n:])
+
+  imported = ak.from_paddle_state(_paddle_layout(s_mid, n), p_mid, tx)
+  chex.assert_trees_all_equal(imported, s_mid)  # counts, moments, next learning rate
+  p_resumed, s_resumed = _run(tx, p_mid, imported, grads[n:])
+  chex.assert_trees_all_equal(p_resumed, p_full)
+  chex.assert_trees_all_equal(s_resumed, s_full)
+
+
+def _numpy_paddle_adam(params, grads, lr, wd, eps=1e-8):
+  """Paddle's dense Adam kernel in float64, with its accumulators (beta pows start at beta)."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in p.items()}
+  v = {k: np.zeros_like(x) for k, x in p.items()}
+  b1p, b2p = B1, B2
+  for g in grads:
+    for k in p:
+      gk = np.asarray(g[k], np.float64) + wd * p[k]
+      m[k] = B1 * m[k] + (1 - B1) * gk
+      v[k] = B2 * v[k] + (1 - B2) * gk * gk
+      lr_t = lr * np.sqrt(1 - b2p) / (1 - b1p)
+      p[k] = p[k] - lr_t * m[k] / (np.sqrt(v[k]) + eps * np.sqrt(1 - b2p))
+    b1p, b2p = b1p * B1, b2p * B2
+  return p, m, v, b1p, b2p
+
+
+def test_paddle_import_matches_float64_paddle_reference():
+  """A state in Paddle's layout, computed by independent float64 code, continues in ak
+  exactly as Paddle's formula continues it."""
+  n, m = 6, 6
+  params = {k: np.asarray(v) for k, v in _params(3).items()}
+  grads = [{k: np.asarray(v) for k, v in g.items()} for g in _grads(n + m, params, key=4)]
+  p_mid, mom1, mom2, b1p, b2p = _numpy_paddle_adam(params, grads[:n], 0.01, 0.01)
+  pdopt = {}
+  for k in params:
+    pdopt[f"{k}_moment1_0"] = mom1[k].astype(np.float32)
+    pdopt[f"{k}_moment2_0"] = mom2[k].astype(np.float32)
+    pdopt[f"{k}_beta1_pow_acc_0"] = np.array([b1p], np.float32)
+    pdopt[f"{k}_beta2_pow_acc_0"] = np.array([b2p], np.float32)
+
+  tx = ak.adam(0.01, weight_decay=0.01, eps_mode="corrected", weight_decay_mask=None)
+  p0 = {k: jnp.asarray(v, jnp.float32) for k, v in p_mid.items()}
+  state = ak.from_paddle_state(pdopt, p0, tx)
+  assert int(ak.state_dict(state)["step"]) == n
+  p_ak, _ = _run(tx, p0, state, [{k: jnp.asarray(v) for k, v in g.items()} for g in grads[n:]])
+
+  # Continuing the float64 reference from the float32-rounded state it exported.
+  p_ref = {k: v.astype(np.float32).astype(np.float64) for k, v in p_mid.items()}
+  m_ref = {k: v.astype(np.float32).astype(np.float64) for k, v in mom1.items()}
+  v_ref = {k: v.astype(np.float32).astype(np.float64) for k, v in mom2.items()}
+  for i, g in enumerate(grads[n:]):
+    t = n + 1 + i
+    for k in p_ref:
+      gk = g[k].astype(np.float64) + 0.01 * p_ref[k]
+      m_ref[k] = B1 * m_ref[k] + (1 - B1) * gk
+      v_ref[k] = B2 * v_ref[k] + (1 - B2) * gk * gk
+      m_hat, v_hat = m_ref[k] / (1 - B1 ** t), v_ref[k] / (1 - B2 ** t)
+      p_ref[k] = p_ref[k] - 0.01 * m_hat / (np.sqrt(v_hat) + 1e-8)
+  for k in p_ref:
+    np.testing.assert_allclose(p_ak[k], p_ref[k], rtol=0, atol=2e-6)
+    # ... and it did move: the check could fail.
+    assert np.max(np.abs(p_ref[k] - p_mid[k])) > 1e-2
+
+
+@pytest.mark.parametrize("name,make", [
+    ("ms_adam_weight_decay", lambda: ak.adam(0.01, weight_decay=0.05)),
+    ("ms_adamax_weight_decay", lambda: ak.adamax(0.01, weight_decay=0.05)),
+])
+def test_mindspore_golden_moments_import(name, make):
+  """MindSpore's real final moments, imported, equal adamkit's own after the same steps."""
+  cfg, d = load_golden(name)
+  names, steps = cfg["params"], cfg["steps"]
+
+  def nest(flat):
+    out = {}
+    for k, v in flat.items():
+      a, b = k.split(".")
+      out.setdefault(a, {})[b] = jnp.asarray(v)
+    return out
+
+  params = nest({k: d[f"init/{k}"] for k in names})
+  grads = [nest({k: d[f"grad/{t}/{k}"] for k in names}) for t in range(steps)]
+  tx = make()
+  p_final, s_final = _run(tx, params, tx.init(params), grads)
+
+  ckpt = {f"moment1.{k}": d[f"mu/{k}"] for k in names}
+  ckpt.update({f"moment2.{k}": d[f"nu/{k}"] for k in names})
+  ckpt.update({"conv1.weight": d[f"traj/{steps - 1}/conv1.weight"],  # weights sit alongside
+               "beta1_power": np.array([_f32_powers(B1, steps)]),
+               "beta2_power": np.array([_f32_powers(B2, steps)]),
+               "learning_rate": np.array(0.01, np.float32)})
+  imported = ak.from_mindspore_state(ckpt, p_final, tx)
+  ours, theirs = ak.state_dict(s_final), ak.state_dict(imported)
+  assert sorted(ours) == sorted(theirs)
+  assert int(theirs["step"]) == steps
+  for k in ours:
+    np.testing.assert_allclose(theirs[k], ours[k], rtol=2e-6, atol=1e-9, err_msg=k)
+
+
+def test_mindspore_import_with_name_mapping_continues_bit_identical():
+  params = {"fc": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}}
+  ms_names = {"fc.kernel": "net.fc.weight", "fc.bias": "net.fc.bias"}
+  grads = _grads(9, params)
+  tx = ak.adamax(0.05)
+  p_mid, s_mid = _run(tx, params, tx.init(params), grads[:4])
+  p_full, _ = _run(tx, p_mid, s_mid, grads[4:])
+  ckpt = _mindspore_layout(s_mid, 4, names=ms_names.get)
+  for names in (ms_names, lambda n: "net." + n.replace("kernel", "weight")):
+    imported = ak.from_mindspore_state(ckpt, p_mid, tx, names=names)
+    chex.assert_trees_all_equal(imported, s_mid)
+    chex.assert_trees_all_equal(_run(tx, p_mid, imported, grads[4:])[0], p_full)
+
+
+def test_import_errors():
+  params = {"w": jnp.ones(3)}
+  tx = ak.adam(0.01)
+  good = {"moment1.w": np.ones(3, np.float32), "moment2.w": np.ones(3, np.float32),
+          "beta1_power": np.array([B1 ** 3], np.float32)}
+  assert int(ak.state_dict(ak.from_mindspore_state(good, params, tx))["step"]) == 3
+  with pytest.raises(KeyError, match="w"):
+    ak.from_mindspore_state({"beta1_power": good["beta1_power"]}, params, tx)
+  state = ak.from_mindspore_state({"beta1_power": good["beta1_power"]}, params, tx,
+                                  strict=False)
+  assert not np.any(ak.state_dict(state)["w.moment1"])
+  with pytest.raises(ValueError, match="shape"):
+    ak.from_mindspore_state({**good, "moment1.w": np.ones(4, np.float32)}, params, tx)
+  with pytest.raises(ValueError, match="step"):
+    ak.from_mindspore_state({"moment1.w": good["moment1.w"], "moment2.w": good["moment2.w"]},
+                            params, tx)
+  # beta1_power of b1 = 0.8 read with b1 = 0.9, checked against beta2_power: refused.
+  wrong = {**good, "beta1_power": np.array([0.8 ** 10], np.float32),
+           "beta2_power": np.array([B2 ** 10], np.float32)}
+  with pytest.raises(ValueError, match="betas"):
+    ak.from_mindspore_state(wrong, params, tx)
+  assert int(ak.state_dict(ak.from_mindspore_state(wrong, params, tx, b1=0.8))["step"]) == 10
+  assert int(ak.state_dict(ak.from_mindspore_state(good, params, tx, step=11))["step"]) == 11
+  with pytest.raises(ValueError, match="Adamax"):
+    ak.from_paddle_state({"w_moment1_0": np.ones(3), "w_moment2_0": np.ones(3)}, params,
+                         ak.adamax(0.01), step=1)
+  with pytest.raises(ValueError, match="no Adam"):
+    ak.from_mindspore_state(good, params, optax.sgd(0.1))
+
+
+def test_paddle_step_after_beta1_power_underflow():
+  """After ~900 steps beta1**t is 0 in float32; the step then comes from beta2_pow_acc."""
+  params = {"w": jnp.ones(2)}
+  pdopt = {"w_moment1_0": np.zeros(2, np.float32), "w_moment2_0": np.zeros(2, np.float32),
+           "w_beta1_pow_acc_0": np.array([0.0], np.float32),
+           "w_beta2_pow_acc_0": np.array([_f32_powers(B2, 1501)])}
+  state = ak.from_paddle_state(pdopt, params, ak.adam(0.01, eps_mode="corrected"))
+  assert int(ak.state_dict(state)["step"]) == 1500
