@@ -18,18 +18,15 @@ def _is_tracer(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def check_row_args(indices: Any, values: Any, num_rows: int, *, indices_name: str = "indices",
-                   values_name: str = "values", row_shape: tuple | None = None,
-                   table_name: str = "the table"):
-  """Validates one row-sparse gradient; returns ``(indices, values)`` as JAX arrays.
+def check_ids(indices: Any, num_rows: int, *, indices_name: str = "indices",
+              table_name: str = "the table") -> jax.Array:
+  """Validates 1-D integer row ids; returns them as a JAX array (int32 when they fit).
 
   Concrete (non-traced) ids are range-checked here, on the host, *before* any cast, so an
   int64 id past int32 cannot wrap onto a valid row.
   """
   if not hasattr(indices, "dtype"):
     indices = np.asarray(indices)
-  if not hasattr(values, "dtype"):
-    values = np.asarray(values, dtype=np.float32)
   if not (jnp.issubdtype(indices.dtype, jnp.integer)
           and not jnp.issubdtype(indices.dtype, jnp.bool_)):
     raise TypeError(
@@ -38,18 +35,6 @@ def check_row_args(indices: Any, values: Any, num_rows: int, *, indices_name: st
   if np.ndim(indices) != 1:
     raise ValueError(
         f"`{indices_name}` must be 1-D, shape (k,), got shape {np.shape(indices)}.")
-  if not jnp.issubdtype(values.dtype, jnp.floating):
-    raise TypeError(f"`{values_name}` must be a floating-point array, got dtype {values.dtype}.")
-  k = np.shape(indices)[0]
-  if np.ndim(values) < 1 or np.shape(values)[0] != k:
-    raise ValueError(
-        f"`{values_name}` must have shape (k, *row_shape) with k = len({indices_name}) = {k}, "
-        f"got shape {np.shape(values)}.")
-  if row_shape is not None and tuple(np.shape(values)[1:]) != tuple(row_shape):
-    raise ValueError(
-        f"`{values_name}` rows have shape {tuple(np.shape(values)[1:])} but the rows of "
-        f"{table_name} have shape {tuple(row_shape)}: expected `{values_name}` of shape "
-        f"({k}, *{tuple(row_shape)}).")
   if not _is_tracer(indices):
     host = np.asarray(indices)
     bad = np.flatnonzero((host < 0) | (host >= num_rows))
@@ -61,7 +46,29 @@ def check_row_args(indices: Any, values: Any, num_rows: int, *, indices_name: st
           "such ids are dropped; see adamkit.check_row_ids for a checkify check.")
     if host.dtype != np.int32 and num_rows <= np.iinfo(np.int32).max:
       indices = host.astype(np.int32)
-  return jnp.asarray(indices), jnp.asarray(values)
+  return jnp.asarray(indices)
+
+
+def check_row_args(indices: Any, values: Any, num_rows: int, *, indices_name: str = "indices",
+                   values_name: str = "values", row_shape: tuple | None = None,
+                   table_name: str = "the table"):
+  """Validates one row-sparse gradient; returns ``(indices, values)`` as JAX arrays."""
+  if not hasattr(values, "dtype"):
+    values = np.asarray(values, dtype=np.float32)
+  indices = check_ids(indices, num_rows, indices_name=indices_name, table_name=table_name)
+  if not jnp.issubdtype(values.dtype, jnp.floating):
+    raise TypeError(f"`{values_name}` must be a floating-point array, got dtype {values.dtype}.")
+  k = indices.shape[0]
+  if np.ndim(values) < 1 or np.shape(values)[0] != k:
+    raise ValueError(
+        f"`{values_name}` must have shape (k, *row_shape) with k = len({indices_name}) = {k}, "
+        f"got shape {np.shape(values)}.")
+  if row_shape is not None and tuple(np.shape(values)[1:]) != tuple(row_shape):
+    raise ValueError(
+        f"`{values_name}` rows have shape {tuple(np.shape(values)[1:])} but the rows of "
+        f"{table_name} have shape {tuple(row_shape)}: expected `{values_name}` of shape "
+        f"({k}, *{tuple(row_shape)}).")
+  return indices, jnp.asarray(values)
 
 
 def _check_num_rows(num_rows: Any) -> int:

@@ -1,0 +1,430 @@
+"""Sparse Adam for embedding tables: MindSpore's fused ops and the ``sparse_adam`` transform.
+
+A batch that looks up ``k`` rows of an ``(N, D)`` table has a gradient with ``k`` non-zero
+rows. Here that gradient is a :class:`adamkit.RowSparse` and the lazy step costs
+``O(k D)``: gather the touched rows of the table and moments, update them, scatter them
+back (in place under ``jax.jit(..., donate_argnums=...)``). Row ids outside ``[0, N)``
+raise a ``ValueError`` outside jit; inside jit they are dropped, as MindSpore's kernels
+do (scatters use ``mode="drop"``, gathers read zeros), and
+:func:`adamkit.check_row_ids` turns them into a ``checkify`` error instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import checkify
+
+from adamkit import _adam, _groups, _masks, _schedules, _validate
+from adamkit._sparse_types import RowSparse, check_row_args, is_row_sparse, safe_ids
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _gather_rows(x: jax.Array, ids: jax.Array) -> jax.Array:
+  """``x[ids]`` for safe ids; the out-of-range id ``N`` reads a row of zeros."""
+  return x.at[ids].get(mode="fill", fill_value=0)
+
+
+def _scatter_rows(x: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+  """``x[ids] = rows`` for unique safe ids; the out-of-range id ``N`` is dropped."""
+  return x.at[ids].set(rows.astype(x.dtype), mode="drop")
+
+
+def _lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
+  """Adam on the rows of ``g`` only. Returns ``(ids, u_rows, m, v)``; ids must be unique."""
+  ids = safe_ids(g.indices, g.num_rows)
+  dt = _adam.compute_dtype(g.values)
+  u, m_rows, v_rows = _adam.adam_direction(
+      g.values.astype(dt), _gather_rows(m, ids).astype(dt), _gather_rows(v, ids).astype(dt),
+      b1=b1, b2=b2, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
+  return ids, u, _scatter_rows(m, ids, m_rows), _scatter_rows(v, ids, v_rows)
+
+
+def check_row_ids(grads: Any) -> None:
+  """A ``checkify`` check that every id of every :class:`RowSparse` leaf is in range.
+
+  Inside ``jax.jit`` adamkit drops out-of-range and negative ids (MindSpore's policy). Call
+  this in a step function wrapped by ``jax.experimental.checkify.checkify`` to get an
+  error naming the first bad id instead; outside jit it raises at once.
+
+  Args:
+    grads: a pytree whose ``RowSparse`` leaves are checked (dense leaves are ignored).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, adamkit as ak
+    >>> from jax.experimental import checkify
+    >>> @jax.jit
+    ... def step(ids):
+    ...   grads = {"emb": ak.RowSparse(ids, jnp.ones((2, 3)), num_rows=10)}
+    ...   ak.check_row_ids(grads)
+    ...   return grads["emb"].todense().sum()
+    >>> err, out = checkify.checkify(step)(jnp.array([3, 12]))
+    >>> print(err.get())
+    RowSparse row id 12 (position 1) is outside [0, 10) (`check` failed)
+  """
+  for leaf in jax.tree.leaves(grads, is_leaf=is_row_sparse):
+    if isinstance(leaf, RowSparse) and leaf.indices.shape[0]:
+      ids = leaf.indices
+      bad = (ids < 0) | (ids >= leaf.num_rows)
+      pos = jnp.argmax(bad)
+      checkify.check(~jnp.any(bad),
+                     "RowSparse row id {id} (position {pos}) is outside [0, %d)" % leaf.num_rows,
+                     id=ids[pos], pos=pos)
+
+
+# ------------------------------------------------------------------ functional ops
+
+
+def _scalar(name: str, x: Any) -> jax.Array:
+  a = jnp.asarray(x)
+  if a.ndim > 1 or a.size != 1:
+    raise ValueError(f"`{name}` must be a scalar or have shape (1,), got shape {a.shape}.")
+  if not jnp.issubdtype(a.dtype, jnp.floating) and not jnp.issubdtype(a.dtype, jnp.integer):
+    raise TypeError(f"`{name}` must be a real number, got dtype {a.dtype}.")
+  return a.reshape(()).astype(jnp.float32)
+
+
+def _fused_args(var, m, v, gradient, indices):
+  var, m, v = jnp.asarray(var), jnp.asarray(m), jnp.asarray(v)
+  if var.ndim < 1:
+    raise ValueError(f"`var` must be a table of at least 1 dimension, shape (N, *row_shape); "
+                     f"got shape {var.shape}.")
+  if not jnp.issubdtype(var.dtype, jnp.floating):
+    raise TypeError(f"`var` must be a floating-point array, got dtype {var.dtype}.")
+  for name, x in (("m", m), ("v", v)):
+    if x.shape != var.shape:
+      raise ValueError(f"`{name}` must have the shape of `var` {var.shape}, got {x.shape}.")
+  ids, values = check_row_args(indices, gradient, var.shape[0], values_name="gradient",
+                               row_shape=var.shape[1:], table_name="`var`")
+  return var, m, v, RowSparse.tree_unflatten(var.shape[0], (ids, values))
+
+
+def _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon):
+  b1p, b2p, lr, b1, b2, eps = (_scalar(n, x) for n, x in (
+      ("beta1_power", beta1_power), ("beta2_power", beta2_power), ("lr", lr),
+      ("beta1", beta1), ("beta2", beta2), ("epsilon", epsilon)))
+  return dict(b1=b1, b2=b2, eps=eps, bc1=1.0 - b1p, bc2=1.0 - b2p), lr
+
+
+def fused_sparse_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2, epsilon,
+                      gradient, indices, *, use_nesterov: bool = False):
+  r"""MindSpore ``ops.FusedSparseAdam``: merge duplicate ids, then a dense Adam step.
+
+  With :math:`G` the densified gradient (duplicate ids summed, zero on absent rows),
+  every row of the table is updated:
+
+  .. math::
+
+    m &\leftarrow \beta_1 m + (1-\beta_1) G \\
+    v &\leftarrow \beta_2 v + (1-\beta_2) G^2 \\
+    n &= \beta_1 m + (1-\beta_1) G \text{ if use\_nesterov else } m \\
+    w &\leftarrow w - \alpha \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,\frac{n}{\sqrt{v}+\epsilon}
+
+  The cost is ``O(N)``: all moments decay. For the ``O(k)`` step see
+  :func:`fused_sparse_lazy_adam`.
+
+  .. warning::
+    With ``use_nesterov=True``, absent rows get the dense Nesterov update with a zero
+    gradient, :math:`n = \beta_1 m`. MindSpore 2.10's CPU kernel reads uninitialised memory
+    for those rows instead, so its results differ there.
+
+  Args:
+    var: the table, shape ``(N, *row_shape)`` with ``N >= 0``, floating point.
+    m, v: first and second moments, the shape of ``var``.
+    beta1_power, beta2_power: :math:`\beta_1^t`, :math:`\beta_2^t` (scalars or shape
+      ``(1,)``, as in MindSpore), ``t`` the 1-based step.
+    lr, beta1, beta2, epsilon: :math:`\alpha, \beta_1, \beta_2, \epsilon`.
+    gradient: gradient rows, shape ``(k, *row_shape)``.
+    indices: int32/int64 row ids, shape ``(k,)``; duplicates allowed. Outside jit, an id
+      outside ``[0, N)`` raises ``ValueError``; inside jit it is dropped.
+    use_nesterov: use the Nesterov numerator.
+
+  Returns:
+    The new ``(var, m, v)``, shapes and dtypes unchanged.
+
+  Examples:
+    >>> import numpy as np, adamkit as ak
+    >>> ones = np.ones([3, 1, 2], np.float32)
+    >>> var, m, v = ak.fused_sparse_adam(ones, ones, ones, 0.9, 0.999, 0.001, 0.9, 0.999,
+    ...                                  1e-8, np.full([2, 1, 2], 0.1, np.float32), [0, 1])
+    >>> print(np.asarray(var)[:, 0])  # the example of MindSpore's documentation
+    [[0.9997121  0.9997121 ]
+     [0.9997121  0.9997121 ]
+     [0.99971527 0.99971527]]
+
+  References:
+    Reproduces MindSpore 2.10 ``ops.FusedSparseAdam`` (CPU, ``use_nesterov=False``).
+  """
+  _validate.check_bool("use_nesterov", use_nesterov)
+  var, m, v, g = _fused_args(var, m, v, gradient, indices)
+  hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
+  dt = _adam.compute_dtype(var)
+  u, m_new, v_new = _adam.adam_direction(g.todense().astype(dt), m.astype(dt), v.astype(dt),
+                                         eps_mode="hat", nesterov=use_nesterov, **hyper)
+  var_new = var.astype(dt) - lr * u
+  return var_new.astype(var.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
+
+
+def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2, epsilon,
+                           gradient, indices, *, use_nesterov: bool = False):
+  r"""MindSpore ``ops.FusedSparseLazyAdam``: Adam on the rows present in ``indices`` only.
+
+  Duplicate ids are summed into :math:`G_i`; for each distinct id :math:`i`:
+
+  .. math::
+
+    m_i &\leftarrow \beta_1 m_i + (1-\beta_1) G_i \\
+    v_i &\leftarrow \beta_2 v_i + (1-\beta_2) G_i^2 \\
+    n_i &= \beta_1 m_i + (1-\beta_1) G_i \text{ if use\_nesterov else } m_i \\
+    w_i &\leftarrow w_i - \alpha \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,
+          \frac{n_i}{\sqrt{v_i}+\epsilon}
+
+  Every other row of ``var``, ``m`` and ``v`` is returned bit-identical. The cost is
+  ``O(k)`` in the number of ids, independent of the table size when the caller donates
+  ``var, m, v`` to ``jax.jit``.
+
+  Args:
+    var, m, v, beta1_power, beta2_power, lr, beta1, beta2, epsilon, gradient, indices,
+      use_nesterov: as in :func:`fused_sparse_adam`.
+
+  Returns:
+    The new ``(var, m, v)``.
+
+  Examples:
+    >>> import numpy as np, adamkit as ak
+    >>> ones = np.ones([3, 2], np.float32)
+    >>> var, m, v = ak.fused_sparse_lazy_adam(ones, ones, ones, 0.9, 0.999, 0.001, 0.9,
+    ...                                       0.999, 1e-8, np.full([2, 2], 0.1), [0, 0])
+    >>> np.asarray(var)[:, 0]  # row 0 moves with the summed gradient 0.2; rows 1, 2 do not
+    array([0.99970895, 1.        , 1.        ], dtype=float32)
+
+  References:
+    Reproduces MindSpore 2.10 ``ops.FusedSparseLazyAdam``; Paddle ``Adam(lazy_mode=True)``
+    is the same rule.
+  """
+  _validate.check_bool("use_nesterov", use_nesterov)
+  var, m, v, g = _fused_args(var, m, v, gradient, indices)
+  hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
+  ids, u, m, v = _lazy_rows(g.coalesce(), m, v, eps_mode="hat", nesterov=use_nesterov, **hyper)
+  rows = _gather_rows(var, ids).astype(u.dtype) - lr * u
+  return _scatter_rows(var, ids, rows), m, v
+
+
+# ---------------------------------------------------------------------- transforms
+
+
+class ScaleBySparseAdamState(NamedTuple):
+  count: jax.Array  # int32 scalar, steps taken (saturates); the global step t of every row
+  mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
+  nu: optax.Updates  # second moment, params' shapes and dtype
+
+
+def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                         lazy: bool = True, eps_mode: str = "hat", nesterov: bool = False,
+                         unique_ids: bool = False,
+                         mu_dtype: Any = None) -> optax.GradientTransformation:
+  r"""Adam's direction for gradient trees whose leaves may be :class:`adamkit.RowSparse`.
+
+  Dense leaves get exactly :func:`adamkit.scale_by_adam`. For a ``RowSparse`` leaf with
+  duplicate ids summed into :math:`G` (rows :math:`i \in I`):
+
+  .. math::
+
+    \text{lazy:}\quad m_i &\leftarrow \beta_1 m_i + (1-\beta_1) G_i, \quad
+       v_i \leftarrow \beta_2 v_i + (1-\beta_2) G_i^2, \quad
+       u_i = \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\frac{n_i}{\sqrt{v_i}+\epsilon},
+       \quad i \in I \\
+    \text{not lazy:}\quad & \text{dense Adam on } G \text{ (zero on absent rows)}
+
+  with :math:`n` and ``eps_mode`` as in :func:`adamkit.scale_by_adam` and :math:`t` the
+  global step. Lazy mode returns a ``RowSparse`` of row updates (unique ids) that
+  :func:`adamkit.apply_updates` scatters; rows not in :math:`I` keep their moments
+  bit-identical. Non-lazy mode returns a dense update and costs ``O(N)``.
+
+  Args:
+    b1, b2, eps, eps_mode, nesterov, mu_dtype: see :func:`adamkit.scale_by_adam`.
+    lazy: update only the touched rows (MindSpore ``FusedSparseLazyAdam``, Paddle
+      ``lazy_mode=True``, ``torch.optim.SparseAdam``) or every row (``FusedSparseAdam``).
+    unique_ids: the caller guarantees that no id repeats (MindSpore ``unique=False``):
+      skip the merge. With repeated ids the lazy result is then unspecified (one of the
+      duplicates wins), though never outside the repeated rows.
+
+  Returns:
+    An ``optax.GradientTransformation`` with state :class:`ScaleBySparseAdamState`.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> tx = ak.scale_by_sparse_adam()
+    >>> state = tx.init({"emb": jnp.zeros((5, 2))})
+    >>> g = {"emb": ak.RowSparse(jnp.array([3, 3]), jnp.full((2, 2), 0.25), num_rows=5)}
+    >>> u, state = tx.update(g, state)
+    >>> u["emb"].indices[:1], u["emb"].values[:1].round(4)  # one merged row, about sign(g)
+    (Array([3], dtype=int32), Array([[1., 1.]], dtype=float32))
+
+  References:
+    Kingma & Ba (2015). Reproduces MindSpore 2.10 ``ops.FusedSparseLazyAdam`` /
+    ``ops.FusedSparseAdam`` (``lazy=False``).
+  """
+  _adam.check_adam_hyper(b1, b2, eps)
+  _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
+  for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
+    _validate.check_bool(name, flag)
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+  def init_fn(params):
+    _validate.check_float_params(params)
+    # zeros_like keeps a sharded table's sharding for its moments.
+    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
+    nu = jax.tree.map(jnp.zeros_like, params)
+    return ScaleBySparseAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+  def update_fn(updates, state, params=None):
+    del params
+    _validate.check_matching_trees(updates, state.nu, what="optimizer state")
+    count = optax.safe_increment(state.count)
+    bc1, bc2 = _adam.bias_corrections(b1, b2, count)
+    hyper = dict(b1=jnp.asarray(b1, jnp.float32), b2=jnp.asarray(b2, jnp.float32),
+                 eps=jnp.asarray(eps, jnp.float32), bc1=bc1, bc2=bc2, eps_mode=eps_mode,
+                 nesterov=nesterov)
+
+    def leaf(g, m, v):
+      if isinstance(g, RowSparse) and lazy:
+        _check_table(g, m)
+        if not unique_ids:
+          g = g.coalesce()
+        ids, u, m, v = _lazy_rows(g, m, v, **hyper)
+        return RowSparse.tree_unflatten(g.num_rows, (ids, u.astype(g.dtype))), m, v
+      if isinstance(g, RowSparse):
+        _check_table(g, m)
+        g = g.todense()
+      dt = _adam.compute_dtype(g)
+      u, m_new, v_new = _adam.adam_direction(g.astype(dt), m.astype(dt), v.astype(dt), **hyper)
+      return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
+
+    treedef = jax.tree.structure(state.nu)
+    out = [leaf(g, m, v) for g, m, v in zip(treedef.flatten_up_to(updates),
+                                           jax.tree.leaves(state.mu), jax.tree.leaves(state.nu))]
+    if not out:
+      return updates, state._replace(count=count)
+    u, mu, nu = (treedef.unflatten(list(x)) for x in zip(*out))
+    return u, ScaleBySparseAdamState(count=count, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_table(g: RowSparse, m: jax.Array) -> None:
+  if m.ndim < 1:
+    raise ValueError("A RowSparse gradient needs a table of at least 1 dimension; the "
+                     f"matching parameter has shape {m.shape}.")
+
+
+def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
+                b2: float = 0.999, eps: float = 1e-8, *, lazy: bool = True,
+                eps_mode: str = "hat", nesterov: bool = False, weight_decay: Any = 0.0,
+                weight_decay_mask: _masks.MaskSpec = _masks.ExcludeNames(("beta", "gamma")),
+                loss_scale: float = 1.0, unique_ids: bool = False, mu_dtype: Any = None,
+                nonfinite: str = "propagate") -> optax.GradientTransformation:
+  r"""Adam for trees mixing :class:`adamkit.RowSparse` (embedding) and dense gradients.
+
+  .. math::
+
+    g &\leftarrow g / s \quad \text{(loss scale)} \\
+    g_j &\leftarrow g_j + \lambda_t w_{i_j} \quad \text{(decay, each sparse id } i_j
+      \text{; every element of a dense leaf)} \\
+    u &\leftarrow \mathtt{scale\_by\_sparse\_adam}(g) \\
+    w &\leftarrow w - \alpha_t u \quad \text{(with } \mathtt{ak.apply\_updates}\text{)}
+
+  The chain is ``check -> unscale -> decay -> scale_by_sparse_adam -> -lr``. Dense leaves
+  get ordinary Adam. Use :func:`adamkit.apply_updates` (not ``optax.apply_updates``): in
+  lazy mode the updates of sparse leaves are ``RowSparse`` row deltas that it scatters,
+  in place when the params and state are donated to ``jax.jit``.
+
+  Args:
+    learning_rate: every form :func:`adamkit.adam` accepts.
+    b1, b2, eps, eps_mode, nesterov, mu_dtype: see :func:`adamkit.scale_by_adam`.
+    lazy: only touched rows change (default; MindSpore ``FusedSparseLazyAdam``) or all
+      rows move as in dense Adam with a zero gradient on absent rows (``FusedSparseAdam``).
+    weight_decay: L2 coefficient or schedule, or ``ak.L1Decay``/``ak.L2Decay``. On a sparse
+      leaf only the touched rows decay.
+    weight_decay_mask: which leaves decay, as in :func:`adamkit.adam`.
+    loss_scale: gradients are divided by it first, > 0.
+    unique_ids: skip merging duplicate ids (the caller guarantees there are none).
+    nonfinite: ``"propagate"`` or ``"skip"``, as in :func:`adamkit.adam`.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  .. warning::
+    Decay is added to each *occurrence* of an id before duplicates are merged, as in
+    MindSpore (``nn.Adam`` decays the ``RowTensor`` values, then the fused op sums them):
+    a row looked up ``c`` times in a batch decays ``c`` times. Inside ``jax.jit``, ids
+    outside ``[0, N)`` are dropped, not reported (see :func:`adamkit.check_row_ids`).
+    No gradient clipping or parameter groups (use ``optax.chain`` with care: global-norm
+    clipping of an unmerged ``RowSparse`` is not the dense norm).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, adamkit as ak
+    >>> params = {"emb": jnp.ones((1_000, 4)), "w": jnp.ones(4)}
+    >>> tx = ak.sparse_adam(0.1)
+    >>> state = tx.init(params)
+    >>> grads = {"emb": ak.RowSparse(jnp.array([7, 7, 42]), jnp.ones((3, 4)), 1_000),
+    ...          "w": jnp.ones(4)}
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = ak.apply_updates(params, updates)
+    >>> params["emb"][jnp.array([0, 7, 42]), 0].round(3), params["w"][0].round(3)
+    (Array([1. , 0.9, 0.9], dtype=float32), Array(0.9, dtype=float32))
+  """
+  _adam.check_adam_hyper(b1, b2, eps)
+  _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
+  for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
+    _validate.check_bool(name, flag)
+
+  def direction(b1, b2, eps):
+    return scale_by_sparse_adam(b1, b2, eps, lazy=lazy, eps_mode=eps_mode, nesterov=nesterov,
+                                unique_ids=unique_ids, mu_dtype=mu_dtype)
+
+  return _groups.build_named(
+      direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
+      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
+      grad_clip=None, groups=None, nonfinite=nonfinite)
+
+
+def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
+  """``params + updates``, scattering :class:`adamkit.RowSparse` updates into their rows.
+
+  Dense leaves behave as ``optax.apply_updates``. A ``RowSparse`` update adds its values
+  to its rows (duplicates add up, ids outside ``[0, N)`` are dropped) with one scatter, so
+  under ``jax.jit(step, donate_argnums=...)`` the table is updated in place.
+
+  Args:
+    params: the parameter tree.
+    updates: a tree of the same structure; some leaves may be ``RowSparse``.
+
+  Returns:
+    The new params, dtypes unchanged.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> p = {"emb": jnp.zeros((4, 2))}
+    >>> u = {"emb": ak.RowSparse(jnp.array([1]), jnp.ones((1, 2)), num_rows=4)}
+    >>> ak.apply_updates(p, u)["emb"][:, 0]
+    Array([0., 1., 0., 0.], dtype=float32)
+  """
+
+  def apply(p, u):
+    if p is None:
+      return None
+    if isinstance(u, RowSparse):
+      if u.shape != tuple(np.shape(p)):
+        raise ValueError(f"A RowSparse update of dense shape {u.shape} does not fit a "
+                         f"parameter of shape {np.shape(p)}.")
+      ids = safe_ids(u.indices, u.num_rows)
+      return p.at[ids].add(u.values.astype(p.dtype), mode="drop")
+    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+  return jax.tree.map(apply, params, updates, is_leaf=lambda x: x is None)
