@@ -29,6 +29,17 @@ from adamkit._schedules import as_schedule
 # --- checkpoint / state helpers (core) ---
 from adamkit._checkpoint import get_lr, load_state_dict, state_dict
 # --- sparse (issue 3) ---
+from adamkit._sparse import (
+    ScaleBySparseAdamState,
+    apply_updates,
+    check_row_ids,
+    fused_sparse_adam,
+    fused_sparse_lazy_adam,
+    scale_by_sparse_adam,
+    sparse_adam,
+)
+from adamkit._sparse_grad import GatheredRows, lookup, sparse_grad, value_and_sparse_grad
+from adamkit._sparse_types import RowSparse
 # --- offload (issue 4) ---
 # --- speed (issue 5) ---
 # --- users (issue 6) ---
@@ -36,6 +47,10 @@ from adamkit._checkpoint import get_lr, load_state_dict, state_dict
 __version__ = "0.1.0"
 
 __all__ = [
+    # sparse (issue 3)
+    "GatheredRows", "RowSparse", "ScaleBySparseAdamState", "apply_updates", "check_row_ids",
+    "fused_sparse_adam", "fused_sparse_lazy_adam", "lookup", "scale_by_sparse_adam",
+    "sparse_adam", "sparse_grad", "value_and_sparse_grad",
     "AddDecayState",
     "ClipGradByGlobalNorm",
     "ClipGradByNorm",

@@ -376,8 +376,8 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     ...          "w": jnp.ones(4)}
     >>> updates, state = tx.update(grads, state, params)
     >>> params = ak.apply_updates(params, updates)
-    >>> params["emb"][jnp.array([0, 7, 42]), 0].round(3), params["w"][0].round(3)
-    (Array([1. , 0.9, 0.9], dtype=float32), Array(0.9, dtype=float32))
+    >>> print(params["emb"][jnp.array([0, 7, 42]), 0], params["w"][0])  # rows 7, 42 and w move
+    [1.         0.90000004 0.90000004] 0.90000004
   """
   _adam.check_adam_hyper(b1, b2, eps)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
