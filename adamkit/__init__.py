@@ -41,6 +41,7 @@ from adamkit._sparse import (
 from adamkit._sparse_grad import GatheredRows, lookup, sparse_grad, value_and_sparse_grad
 from adamkit._sparse_types import RowSparse
 # --- offload (issue 4) ---
+from adamkit._offload import adam_offload, offload, offload_shardings, offload_state
 # --- speed (issue 5) ---
 # --- users (issue 6) ---
 
@@ -62,6 +63,10 @@ __all__ = [
     "ScaleByAdamaxState",
     "ScaleByLearningRateState",
     "adam",
+    "adam_offload",
+    "offload",
+    "offload_shardings",
+    "offload_state",
     "adamax",
     "add_decay",
     "as_schedule",

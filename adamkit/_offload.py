@@ -1,0 +1,343 @@
+"""Optimizer-state offload to host memory: ``offload`` wraps any transform.
+
+Two modes, both keeping the parameters in device memory:
+
+* ``"compute"`` (MindSpore ``nn.AdamOffload``, DeepSpeed ZeRO-Offload): the state never
+  leaves host memory and the update is computed there; gradients go down to the host and
+  updates come back up (8 bytes per float32 parameter and step).
+* ``"state"`` (JAX's host-offloading guide, MaxText): the state is kept in host memory
+  between steps and brought to the device for the update (32 bytes per float32 Adam
+  parameter and step: ``mu`` and ``nu`` down and up).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from adamkit import _adam, _compat, _validate
+
+_MODES = ("compute", "state")
+_HOST_KINDS = ("pinned_host",)
+
+
+# ------------------------------------------------------------------ support checks
+
+
+def _memory_kinds(devices) -> set[str]:
+  kinds = None
+  for d in devices:
+    try:
+      mine = {m.kind for m in d.addressable_memories()}
+    except Exception:  # backends without the memories API
+      mine = set()
+    kinds = mine if kinds is None else kinds & mine
+  return kinds or set()
+
+
+@functools.lru_cache(maxsize=None)
+def _host_compute_error(platform: str) -> str | None:
+  """Compiles a one-element host computation once per platform; the error text or None."""
+  try:
+    dev = jax.devices(platform)[0]
+    x = jax.device_put(jnp.zeros((1,), jnp.float32),
+                       SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    fn = _compat.on_host(lambda a: a + 1, _compat.HOST)
+    jax.jit(fn).lower(x).compile()
+  except Exception as e:  # noqa: BLE001 - any failure means "no host compute here"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+  return None
+
+
+def check_support(mode: str, memory_kind: str, devices=None) -> None:
+  """Raises if the backend of ``devices`` (default: JAX's default devices) cannot run
+  ``mode`` with the state in ``memory_kind``; the message names the mode that would work."""
+  devices = list(devices) if devices is not None else jax.devices()
+  platform = devices[0].platform
+  kinds = _memory_kinds(devices)
+  if memory_kind not in kinds:
+    raise RuntimeError(
+        f"ak.offload needs memory kind {memory_kind!r}, but the {platform!r} backend's "
+        f"devices offer only {sorted(kinds)}. Neither mode='compute' nor mode='state' can "
+        "work here: use the transform without ak.offload (its state then stays in device "
+        "memory).")
+  if mode == "compute":
+    err = _host_compute_error(platform)
+    if err is not None:
+      raise RuntimeError(
+          f"ak.offload(mode='compute') runs the update on the host "
+          f"(compute_on('device_host')), which the {platform!r} backend cannot compile "
+          f"({err}). Use mode='state': the state still lives in {memory_kind!r} memory and "
+          "is computed on the device.")
+
+
+def _concrete_devices(tree) -> list | None:
+  devs = []
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.core.Tracer):
+      return None
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      devs.extend(sharding.device_set)
+  return list(dict.fromkeys(devs)) or None
+
+
+# ---------------------------------------------------------------------- shardings
+
+
+def _replicated(sharding, memory_kind: str):
+  """A fully replicated sharding over ``sharding``'s devices, in ``memory_kind``."""
+  if isinstance(sharding, NamedSharding):
+    return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=memory_kind)
+  if len(sharding.device_set) == 1:
+    return SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=memory_kind)
+  devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
+  mesh = jax.sharding.Mesh(devices, ("devices",))
+  return NamedSharding(mesh, PartitionSpec(), memory_kind=memory_kind)
+
+
+def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
+                      memory_kind: str = "pinned_host") -> Any:
+  """The shardings of an offloaded optimizer state, built from the params' shardings.
+
+  Every state leaf that mirrors a parameter (same shape, and its tree path ends with the
+  parameter's path, as ``mu['w']`` ends with ``['w']``) gets that parameter's sharding in
+  ``memory_kind``; every other leaf (step counts, learning rates, factored moments) is
+  replicated over the same devices in ``memory_kind``. Works for single-device and
+  ``NamedSharding`` (sharded) parameters alike.
+
+  Args:
+    state: the optimizer state, or its ``jax.eval_shape``.
+    params: the parameters: arrays, or ``jax.ShapeDtypeStruct`` with ``sharding`` set.
+    shardings: optional pytree of ``jax.sharding.Sharding`` matching ``params``, used
+      instead of the params' own (e.g. for ``ShapeDtypeStruct`` params without one).
+    memory_kind: the host memory kind, ``"pinned_host"``.
+
+  Returns:
+    A pytree of shardings with ``state``'s structure, for ``jax.device_put`` or a
+    ``jax.jit`` ``in_shardings``/``out_shardings``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, adamkit as ak
+    >>> params = {"w": jnp.ones((8, 2))}
+    >>> state = ak.scale_by_adam().init(params)
+    >>> sh = ak.offload_shardings(state, params)
+    >>> sh.mu["w"].memory_kind, sh.count.memory_kind
+    ('pinned_host', 'pinned_host')
+  """
+  _validate.check_choice("memory_kind", memory_kind, _HOST_KINDS)
+  if shardings is None:
+    shardings = jax.tree.map(lambda p: getattr(p, "sharding", None), params)
+  p_flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  s_flat = jax.tree.leaves(shardings, is_leaf=lambda s: s is None)
+  if len(s_flat) != len(p_flat):
+    raise ValueError(
+        f"`shardings` must match the params tree: {len(s_flat)} shardings for "
+        f"{len(p_flat)} params.")
+  entries = []
+  for (path, p), s in zip(p_flat, s_flat):
+    if s is None:
+      raise ValueError(
+          f"Param '{_validate.path_name(path) or '<root>'}' has no sharding: pass "
+          "concrete arrays, ShapeDtypeStructs with `sharding=`, or `shardings=`.")
+    entries.append((tuple(path), np.shape(p), s))
+  if not entries:
+    raise ValueError("`params` has no leaves: there is nothing to lay the state out by.")
+  fallback = _replicated(entries[0][2], memory_kind)
+
+  def place(path, leaf):
+    path, shape = tuple(path), np.shape(leaf)
+    best = None
+    for p_path, p_shape, s in entries:
+      n = len(p_path)
+      if p_shape == shape and path[len(path) - n:] == p_path and (
+          best is None or n > best[0]):
+        best = (n, s)
+    return fallback if best is None else best[1].with_memory_kind(memory_kind)
+
+  return jax.tree_util.tree_map_with_path(place, state)
+
+
+def offload_state(state: Any, params: Any, *, shardings: Any = None,
+                  memory_kind: str = "pinned_host") -> Any:
+  """Places ``state`` in host memory, laid out like ``params`` (see
+  :func:`offload_shardings`).
+
+  Use it after restoring a checkpoint (``numpy`` arrays, or arrays in device memory) to put
+  an offloaded optimizer's state back where ``ak.offload`` keeps it. (The offloaded
+  ``update`` also moves a state it finds in device memory, but donation then fails for
+  that one step.)
+
+  Examples:
+    >>> import numpy as np, jax, jax.numpy as jnp, adamkit as ak
+    >>> tx = ak.adam_offload(1e-3)
+    >>> params = {"w": jnp.ones(3)}
+    >>> saved = jax.tree.map(np.asarray, tx.init(params))
+    >>> state = ak.offload_state(saved, params)
+    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state)}
+    {'pinned_host'}
+  """
+  return jax.device_put(
+      state, offload_shardings(state, params, shardings=shardings, memory_kind=memory_kind))
+
+
+# --------------------------------------------------------------------- the wrapper
+
+
+def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
+            memory_kind: str = "pinned_host") -> optax.GradientTransformationExtraArgs:
+  r"""Keeps ``tx``'s state in host memory; the parameters stay in device memory.
+
+  The maths is ``tx``'s, unchanged; only where its state lives and where it is computed
+  moves. With :math:`H` host memory and :math:`D` device memory, one step is
+
+  .. math::
+
+    \text{compute:}\quad & g \xrightarrow{D \to H} g_H,\;
+      (u_H, s_H) = \mathrm{update}(g_H, s_H, w_H) \text{ on the host},\;
+      u_H \xrightarrow{H \to D} u \\
+    \text{state:}\quad & s_H \xrightarrow{H \to D} s,\;
+      (u, s) = \mathrm{update}(g, s, w) \text{ on the device},\;
+      s \xrightarrow{D \to H} s_H
+
+  ``"compute"`` moves a gradient down and an update up (8 bytes per float32 parameter;
+  12 when ``tx`` reads the params, e.g. for weight decay) and needs no device memory for
+  the state at all; ``"state"`` moves the state both ways (32 bytes per float32 Adam
+  parameter) and computes at device speed.
+
+  ``init`` places the state in ``memory_kind`` laid out like the params (see
+  :func:`offload_shardings`); ``update`` returns it there, so a plain
+  ``jax.jit(step, donate_argnums=(0, 1))`` needs no sharding arguments. ``update`` also
+  accepts a state found elsewhere (a restored checkpoint) and moves it.
+
+  Args:
+    tx: any ``optax.GradientTransformation`` (adamkit or optax).
+    mode: ``"compute"`` (MindSpore ``AdamOffload``) or ``"state"``.
+    memory_kind: the host memory kind for the state: ``"pinned_host"``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is ``tx``'s state, unchanged
+    in structure, held in host memory.
+
+  Raises:
+    RuntimeError: at ``init`` when the backend has no ``memory_kind`` memory (no mode can
+      work) or, for ``mode="compute"``, cannot compute on the host (``"state"`` can).
+
+  .. warning::
+    MindSpore's ``AdamOffload`` sends only the parameter delta back and keeps its own
+    copy of nothing else; here too the update is all that comes up, but when ``tx`` reads
+    ``params`` (weight decay, ``ak.adam``'s default decay mask excepted when the
+    coefficient is 0) the params are also copied down each step.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, adamkit as ak
+    >>> tx = ak.offload(ak.adam(0.1))
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> state = tx.init(params)
+    >>> @jax.jit
+    ... def step(params, state):
+    ...   grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params)
+    ...   updates, state = tx.update(grads, state, params)
+    ...   return optax.apply_updates(params, updates), state
+    >>> params, state = step(params, state)
+    >>> params["w"].round(4), params["w"].sharding.memory_kind
+    (Array([ 0.9, -1.9], dtype=float32), 'device')
+    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state)}
+    {'pinned_host'}
+  """
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(
+        f"`tx` must be an optax GradientTransformation, got {type(tx).__name__}.")
+  _validate.check_choice("mode", mode, _MODES)
+  _validate.check_choice("memory_kind", memory_kind, _HOST_KINDS)
+  inner = optax.with_extra_args_support(tx)
+
+  def init_fn(params):
+    devices = _concrete_devices(params)
+    check_support(mode, memory_kind, devices)
+    state = inner.init(params)
+    if devices is None:  # traced init: keep the layout the compiler picks, in host memory
+      return jax.device_put(state, _compat.HOST)
+    return offload_state(state, params, memory_kind=memory_kind)
+
+  def update_state_mode(updates, state, params, extra):
+    state = jax.device_put(state, _compat.DEVICE)
+    updates, state = inner.update(updates, state, params, **extra)
+    return updates, jax.device_put(state, _compat.HOST)
+
+  def update_compute_mode(updates, state, params, extra):
+    def host_update(updates, state, params, extra):
+      return inner.update(updates, state, params, **extra)
+
+    args = jax.device_put((updates, state, params, extra), _compat.HOST)
+    fn = _compat.on_host(host_update, (_compat.DEVICE, _compat.HOST))
+    try:
+      return fn(*args)
+    except (TypeError, ValueError) as e:
+      if "memory_space" not in str(e) and "<host>" not in str(e):
+        raise
+      raise RuntimeError(
+          "ak.offload(mode='compute') could not trace this transform's update on the "
+          "host-resident state: it creates arrays of its own (zeros, a lax.cond branch), "
+          "which JAX types as device memory, and combines them with host-resident ones. "
+          "Known cases: optax.clip_by_global_norm (ak.ClipGradByGlobalNorm), "
+          "optax.apply_if_finite (nonfinite='skip'), optax.adafactor. Use mode='state' "
+          "for this transform: its state still lives in host memory between steps."
+      ) from e
+
+  def update_fn(updates, state, params=None, **extra):
+    if mode == "state":
+      return update_state_mode(updates, state, params, extra)
+    return update_compute_mode(updates, state, params, extra)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
+                 eps: float = 1e-8, *, mode: str = "compute",
+                 memory_kind: str = "pinned_host", **adam_kwargs
+                 ) -> optax.GradientTransformationExtraArgs:
+  r"""MindSpore ``nn.AdamOffload``: :func:`adamkit.adam` with its state in host memory.
+
+  .. math::
+
+    m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t \\
+    v_t &= \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
+    w_t &= w_{t-1} - \alpha_t \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+           \frac{m_t}{\sqrt{v_t}+\epsilon}
+
+  computed on the host (``mode="compute"``, MindSpore's choice) with ``m`` and ``v``
+  held in host memory; the update comes back to the device-resident parameters.
+
+  Args:
+    learning_rate, b1, b2, eps: as :func:`adamkit.adam`.
+    mode, memory_kind: as :func:`adamkit.offload`.
+    **adam_kwargs: any other keyword of :func:`adamkit.adam` (``weight_decay``,
+      ``loss_scale``, ``nesterov``, ``groups``, ...).
+
+  Returns:
+    ``ak.offload(ak.adam(...), mode=mode, memory_kind=memory_kind)``.
+
+  .. warning::
+    MindSpore's ``use_locking`` has no counterpart (JAX updates are functional).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, adamkit as ak
+    >>> tx = ak.adam_offload(0.1, weight_decay=0.0)
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> updates, state = tx.update({"w": jnp.array([2.0, -4.0])}, tx.init(params), params)
+    >>> optax.apply_updates(params, updates)["w"].round(4)  # first step: w - lr * sign(g)
+    Array([ 0.9, -1.9], dtype=float32)
+
+  References:
+    Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015. Reproduces
+    MindSpore 2.10 ``nn.AdamOffload`` (the same formula as ``nn.Adam``).
+  """
+  return offload(_adam.adam(learning_rate, b1, b2, eps, **adam_kwargs), mode=mode,
+                 memory_kind=memory_kind)
