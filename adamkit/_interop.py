@@ -208,7 +208,11 @@ def _leaf_names(tree, names: Names):
 
 
 def _is_moment_state(x):
-  return isinstance(x, (ScaleByAdamState, ScaleByAdamaxState))
+  """Adam-like state nodes: ``ScaleByAdamState``, ``ScaleByAdamaxState`` and any other
+  NamedTuple of exactly ``(count, mu, nu)`` (``ScaleBySparseAdamState``)."""
+  if isinstance(x, (ScaleByAdamState, ScaleByAdamaxState)):
+    return True
+  return isinstance(x, tuple) and getattr(x, "_fields", None) == ("count", "mu", "nu")
 
 
 def _map_states(state, fn):

@@ -41,28 +41,35 @@ def _f32_powers(beta, n):
   return acc
 
 
+def _is_moments(x):
+  return isinstance(x, tuple) and getattr(x, "_fields", None) == ("count", "mu", "nu")
+
+
+def _moments(state):
+  """``{param name: (m, v)}`` over every Adam-like node of ``state`` (test-side walk)."""
+  out = {}
+  for node in jax.tree.leaves(state, is_leaf=_is_moments):
+    if _is_moments(node):
+      for (path, m), v in zip(jax.tree_util.tree_flatten_with_path(node.mu)[0],
+                              jax.tree.leaves(node.nu)):
+        out[".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)] = (m, v)
+  return out
+
+
 def _paddle_layout(state, t):
   """A Paddle ``.pdopt``-style dict for an adamkit state after ``t`` steps."""
-  sd = ak.state_dict(state)
-  out = {}
-  for key, value in sd.items():
-    for ours, theirs in ((".moment1", "_moment1_0"), (".moment2", "_moment2_0")):
-      if key.endswith(ours) and not key.startswith("state."):
-        name = key[: -len(ours)]
-        out[name + theirs] = value
-        out[name + "_beta1_pow_acc_0"] = np.array([_f32_powers(B1, t + 1)])
-        out[name + "_beta2_pow_acc_0"] = np.array([_f32_powers(B2, t + 1)])
-  out["LR_Scheduler"] = {"last_epoch": t}  # present in real .pdopt files; ignored
+  out = {"LR_Scheduler": {"last_epoch": t}}  # present in real .pdopt files; ignored
+  for name, (m, v) in _moments(state).items():
+    out[name + "_moment1_0"], out[name + "_moment2_0"] = np.asarray(m), np.asarray(v)
+    out[name + "_beta1_pow_acc_0"] = np.array([_f32_powers(B1, t + 1)])
+    out[name + "_beta2_pow_acc_0"] = np.array([_f32_powers(B2, t + 1)])
   return out
 
 
 def _mindspore_layout(state, t, names=lambda n: n):
-  sd = ak.state_dict(state)
   out = {"beta1_power": np.array([_f32_powers(B1, t)]), "global_step": np.array([0], np.int32)}
-  for key, value in sd.items():
-    for suffix in ("moment1", "moment2"):
-      if key.endswith("." + suffix) and not key.startswith("state."):
-        out[f"{suffix}.{names(key[: -len(suffix) - 1])}"] = value
+  for name, (m, v) in _moments(state).items():
+    out[f"moment1.{names(name)}"], out[f"moment2.{names(name)}"] = np.asarray(m), np.asarray(v)
   return out
 
 
@@ -233,3 +240,21 @@ def test_paddle_step_after_beta1_power_underflow():
            "w_beta2_pow_acc_0": np.array([_f32_powers(B2, 1501)])}
   state = ak.from_paddle_state(pdopt, params, ak.adam(0.01, eps_mode="corrected"))
   assert int(ak.state_dict(state)["step"]) == 1500
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ak.sparse_adam(0.05, weight_decay=0.01),
+    lambda: ak.offload(ak.adam(0.05, weight_decay=0.01), mode="state"),
+], ids=["sparse_adam", "offload"])
+def test_mindspore_import_into_sparse_and_offloaded_states(make):
+  """nn.Adam with sparse gradients (and nn.AdamOffload) keep the same moment names."""
+  params = {"emb": jnp.ones((6, 2)), "w": jnp.ones(2)}
+  tx = make()
+  state = tx.init(params)
+  grads = {"emb": jnp.full((6, 2), 0.5), "w": jnp.ones(2)}
+  for _ in range(3):
+    updates, state = tx.update(grads, state, params)
+  imported = ak.from_mindspore_state(_mindspore_layout(state, 3), params, tx)
+  chex.assert_trees_all_equal(imported, state)
+  kinds = lambda t: [x.sharding.memory_kind for x in jax.tree.leaves(t)]  # noqa: E731
+  assert kinds(imported) == kinds(state)
