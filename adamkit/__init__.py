@@ -44,6 +44,7 @@ from adamkit._sparse_types import RowSparse
 from adamkit._offload import adam_offload, offload, offload_shardings, offload_state
 # --- speed (issue 5) ---
 # --- users (issue 6) ---
+from adamkit._interop import from_mindspore_state, from_paddle_state
 
 __version__ = "0.1.0"
 
@@ -75,6 +76,8 @@ __all__ = [
     "load_state_dict",
     "state_dict",
     "clip_by_norm",
+    "from_mindspore_state",
+    "from_paddle_state",
     "masks",
     "scale_by_adam",
     "scale_by_adamax",
