@@ -11,9 +11,10 @@ import numpy as np
 from adamkit._adam import ScaleByAdamState
 from adamkit._adamax import ScaleByAdamaxState
 from adamkit._links import ScaleByLearningRateState
+from adamkit._sparse import ScaleBySparseAdamState
 from adamkit._validate import path_name
 
-_MOMENT_STATES = (ScaleByAdamState, ScaleByAdamaxState)
+_MOMENT_STATES = (ScaleByAdamState, ScaleByAdamaxState, ScaleBySparseAdamState)
 
 
 def _is_moment_state(x) -> bool:
