@@ -9,17 +9,13 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _groups, _links, _masks, _schedules, _validate
+from adamkit._links import compute_dtype
 
 
 class ScaleByAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
   mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
   nu: optax.Updates  # second moment, params' shapes and dtype
-
-
-def compute_dtype(x) -> jnp.dtype:
-  """float32, or the leaf's dtype when wider: low-precision leaves are computed in f32."""
-  return jnp.promote_types(x.dtype, jnp.float32)
 
 
 def tree_map_multi(fn, n_out: int, tree, *rest):

@@ -101,7 +101,7 @@ def clip_by_norm(clip_norm: float) -> optax.GradientTransformation:
     del params
 
     def clip(g):
-      g32 = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+      g32 = g.astype(compute_dtype(g))
       norm = jnp.sqrt(jnp.sum(g32 * g32))
       factor = clip_norm / jnp.maximum(norm, clip_norm)
       return (g32 * factor).astype(g.dtype)
@@ -256,16 +256,20 @@ def scale_by_learning_rate(learning_rate: _schedules.ScalarOrSchedule
     del params
     lr = _lr_at(schedule, state.count)
     count = optax.safe_increment(state.count)
-    scale = lambda u: (-lr * u.astype(_compute_dtype(u))).astype(u.dtype)  # noqa: E731
+    scale = lambda u: (-lr * u.astype(compute_dtype(u))).astype(u.dtype)  # noqa: E731
     new = jax.tree.map(lambda u: map_values(scale, u), updates, is_leaf=is_row_sparse)
     return new, ScaleByLearningRateState(count=count, learning_rate=_lr_at(schedule, count))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _compute_dtype(x):
-  """float32, or the leaf's own dtype when it is wider (float64 under x64)."""
-  return jnp.promote_types(x.dtype, jnp.float32)
+def compute_dtype(x) -> jnp.dtype:
+  """float32, or float64 for float64 leaves: low-precision leaves are computed in f32.
+
+  Written out rather than ``jnp.promote_types``, which refuses bf16 + f32 under
+  ``jax_numpy_dtype_promotion="strict"``.
+  """
+  return jnp.dtype(jnp.float64) if jnp.dtype(x.dtype).itemsize > 4 else jnp.dtype(jnp.float32)
 
 
 def _lr_at(schedule, count):

@@ -1,0 +1,204 @@
+"""One shared suite over every dense optimizer of adamkit."""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import adamkit as ak
+
+# name -> factory(learning_rate) of every optimizer the shared properties must hold for.
+REGISTRY = {
+    "adam": lambda lr: ak.adam(lr),
+    "adam_corrected": lambda lr: ak.adam(lr, eps_mode="corrected"),
+    "adam_nesterov_wd": lambda lr: ak.adam(lr, nesterov=True, weight_decay=0.01),
+    "adam_full": lambda lr: ak.adam(
+        lr, weight_decay=0.01, loss_scale=8.0, grad_clip=ak.ClipGradByGlobalNorm(1.0),
+        groups=[ak.Group("conv.*", lr_scale=2.0, grad_centralization=True)]),
+    "adamax": lambda lr: ak.adamax(lr),
+    "adamax_wd_groups": lambda lr: ak.adamax(
+        lr, weight_decay=0.01, groups=[{"params": "bn.*", "lr": 0.001}]),
+}
+for _name in ("sparse_adam", "adam_offload"):  # written alongside; joined when present
+  if hasattr(ak, _name):
+    REGISTRY[_name] = (lambda f: lambda lr: f(lr))(getattr(ak, _name))
+
+NAMES = sorted(REGISTRY)
+
+
+def make_params(dtype=jnp.float32):
+  k = jax.random.split(jax.random.key(0), 3)
+  return {
+      "conv": {"weight": jax.random.normal(k[0], (4, 2, 3, 3), dtype)},
+      "bn": {"gamma": jnp.ones((4,), dtype), "beta": jnp.zeros((4,), dtype)},
+      "head": [jax.random.normal(k[1], (8, 4), dtype), None],
+      "bias": jax.random.normal(k[2], (4,), dtype),
+  }
+
+
+def make_grads(params, seed):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+def run(tx, params, steps=3, jit=True):
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  for s in range(steps):
+    updates, state = update(make_grads(params, s), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
+  chex.assert_trees_all_equal_structs(a, b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                               rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jit_equals_eager_with_none_leaves(name):
+  params = make_params()
+  eager_p, eager_s = run(REGISTRY[name](0.01), params, jit=False)
+  jit_p, jit_s = run(REGISTRY[name](0.01), params, jit=True)
+  assert eager_p["head"][1] is None and jit_p["head"][1] is None
+  assert_trees_close(eager_p, jit_p)
+  assert_trees_close(eager_s, jit_s)
+  # and the params did move
+  assert not np.allclose(np.asarray(jit_p["bias"]), np.asarray(params["bias"]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", NAMES)
+def test_dtypes_and_shapes_are_stable(name, dtype):
+  params = make_params(dtype)
+  tx = REGISTRY[name](0.01)
+  state0 = tx.init(params)
+  new_params, state = run(tx, params, steps=2)
+  chex.assert_trees_all_equal_shapes_and_dtypes(state0, state)
+  chex.assert_trees_all_equal_shapes_and_dtypes(params, new_params)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_retrace_on_later_steps(name):
+  tx = REGISTRY[name](0.01)
+  params = make_params()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for s in range(3):
+    params, state = step(params, state, make_grads(params, s))
+  chex.clear_trace_counter()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inside_optax_chain_and_multisteps(name):
+  params = make_params()
+  # chain with an optax link in front is accepted and changes the result
+  chained = optax.chain(optax.clip(0.1), REGISTRY[name](0.01))
+  p_chain, _ = run(chained, params, steps=2)
+  p_plain, _ = run(REGISTRY[name](0.01), params, steps=2)
+  assert not np.allclose(np.asarray(p_chain["bias"]), np.asarray(p_plain["bias"]))
+  # MultiSteps(k=2) on grads g0, g1 == one step on their mean
+  ms = optax.MultiSteps(REGISTRY[name](0.01), every_k_schedule=2)
+  state = ms.init(params)
+  p = params
+  g0, g1 = make_grads(params, 10), make_grads(params, 11)
+  for g in (g0, g1):
+    with jax.numpy_dtype_promotion("standard"):  # optax.MultiSteps divides int by float
+      u, state = jax.jit(ms.update)(g, state, p)
+    p = optax.apply_updates(p, u)
+  tx = REGISTRY[name](0.01)
+  mean = jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
+  u, _ = tx.update(mean, tx.init(params), params)
+  assert_trees_close(p, optax.apply_updates(params, u), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_apply_if_finite_skips_nan_steps(name):
+  params = make_params()
+  tx = optax.apply_if_finite(REGISTRY[name](0.01), max_consecutive_errors=3)
+  state = tx.init(params)
+  bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), make_grads(params, 0))
+  u, state2 = jax.jit(tx.update)(bad, state, params)
+  assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(u))
+  assert int(state2.notfinite_count) == 1
+  chex.assert_trees_all_equal(state2.inner_state, state.inner_state)
+
+
+def test_nonfinite_policy():
+  params = make_params()
+  bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), make_grads(params, 0))
+  # default: NaN propagates, like optax and PyTorch
+  tx = ak.adam(0.01)
+  u, _ = tx.update(bad, tx.init(params), params)
+  assert bool(jnp.isnan(u["bias"][0]))
+  # "skip": the step is dropped and the state kept
+  tx = ak.adam(0.01, nonfinite="skip")
+  state = tx.init(params)
+  u, state = tx.update(bad, state, params)
+  assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(u))
+  u, state = tx.update(make_grads(params, 1), state, params)
+  assert float(jnp.max(jnp.abs(u["bias"]))) > 0
+
+
+def test_inject_hyperparams_changes_lr_mid_run():
+  params = make_params()
+  tx = optax.inject_hyperparams(ak.adam)(learning_rate=0.01, b1=0.9)
+  state = tx.init(params)
+  g = make_grads(params, 0)
+  u1, state = jax.jit(tx.update)(g, state, params)
+  state.hyperparams["learning_rate"] = jnp.asarray(0.03)
+  u2, state = jax.jit(tx.update)(g, state, params)
+  # same reference run with a per-step learning-rate list
+  ref = ak.adam([0.01, 0.03])
+  s = ref.init(params)
+  r1, s = ref.update(g, s, params)
+  r2, s = ref.update(g, s, params)
+  assert_trees_close(u1, r1)
+  assert_trees_close(u2, r2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sharded_params_over_8_devices(name):
+  assert jax.device_count() == 8
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+  params = make_params()
+
+  def spec(x):
+    return P("data", "model") if x.ndim >= 2 and x.shape[0] % 4 == 0 and x.shape[1] % 2 == 0 \
+        else P()
+
+  shardings = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), params)
+  sharded = jax.device_put(params, shardings)
+  tx = REGISTRY[name](0.01)
+  state = tx.init(sharded)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  p, s = sharded, state
+  for i in range(2):
+    p, s = step(p, s, jax.device_put(make_grads(params, i), shardings))
+  ref_p, _ = run(REGISTRY[name](0.01), params, steps=2)
+  assert_trees_close(p, ref_p, rtol=1e-5, atol=1e-6)
+  assert p["conv"]["weight"].sharding.is_equivalent_to(shardings["conv"]["weight"], 4)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    adam_states = [x for x in jax.tree.leaves(s) if getattr(x, "shape", ()) == (4, 2, 3, 3)]
+  assert adam_states and all(
+      x.sharding.is_equivalent_to(shardings["conv"]["weight"], 4) for x in adam_states)
