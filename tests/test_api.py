@@ -1,0 +1,214 @@
+"""Argument validation, masks, learning-rate forms, and state save/restore."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import adamkit as ak
+
+
+# ------------------------------------------------------------------ bad arguments
+
+@pytest.mark.parametrize("factory", [ak.adam, ak.adamax, ak.scale_by_adam, ak.scale_by_adamax])
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(b1=0.0), ValueError, ["b1", "(0.0, 1.0)"]),
+    (dict(b1=1.0), ValueError, ["b1", "(0.0, 1.0)"]),
+    (dict(b2=-0.5), ValueError, ["b2", "(0.0, 1.0)"]),
+    (dict(b2=1.5), ValueError, ["b2", "(0.0, 1.0)"]),
+    (dict(eps=0.0), ValueError, ["eps", "> 0"]),
+    (dict(eps=-1e-8), ValueError, ["eps", "> 0"]),
+    (dict(b1="0.9"), TypeError, ["b1"]),
+    (dict(b1=True), TypeError, ["b1"]),
+])
+def test_bad_hyperparameters(factory, kwargs, exc, words):
+  with pytest.raises(exc) as info:
+    factory(**kwargs)
+  for w in words:
+    assert w in str(info.value)
+
+
+@pytest.mark.parametrize("factory", [ak.adam, ak.adamax])
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(learning_rate=-0.1), ValueError, ["learning_rate", ">= 0"]),
+    (dict(learning_rate=[0.1, -0.2]), ValueError, ["learning_rate", ">= 0"]),
+    (dict(learning_rate=jnp.ones((2, 2))), ValueError, ["learning_rate", "0-d or 1-D"]),
+    (dict(learning_rate=np.ones((2, 2))), ValueError, ["learning_rate", "0-d or 1-D"]),
+    (dict(learning_rate=[]), ValueError, ["learning_rate", "empty"]),
+    (dict(learning_rate="1e-3"), TypeError, ["learning_rate"]),
+    (dict(learning_rate=None), TypeError, ["learning_rate"]),
+    (dict(learning_rate=[0.1, "x"]), TypeError, ["learning_rate"]),
+    (dict(learning_rate=float("nan")), ValueError, ["learning_rate"]),
+    (dict(weight_decay=-0.01), ValueError, ["weight_decay", ">= 0"]),
+    (dict(weight_decay="0.1"), TypeError, ["weight_decay"]),
+    (dict(loss_scale=0.0), ValueError, ["loss_scale", "> 0"]),
+    (dict(loss_scale=-2.0), ValueError, ["loss_scale", "> 0"]),
+    (dict(grad_clip=ak.ClipGradByGlobalNorm(-1.0)), ValueError, ["clip_norm", "> 0"]),
+    (dict(grad_clip="global"), TypeError, ["grad_clip"]),
+    (dict(grad_centralization=1), TypeError, ["grad_centralization"]),
+    (dict(nonfinite="ignore"), ValueError, ["nonfinite"]),
+    (dict(groups=[{"params": "x", "lr": -1.0}]), ValueError, ["groups[0].lr", ">= 0"]),
+    (dict(groups=[{"params": "x", "beta1": 1.0}]), ValueError, ["groups[0].b1"]),
+    (dict(groups=[{"params": "x", "momentum": 0.9}]), ValueError, ["momentum"]),
+    (dict(groups=[{"lr": 0.1}]), ValueError, ["params"]),
+    (dict(groups={"params": "x"}), TypeError, ["groups"]),
+])
+def test_bad_optimizer_arguments(factory, kwargs, exc, words):
+  with pytest.raises(exc) as info:
+    factory(**kwargs)
+  for w in words:
+    assert w in str(info.value), str(info.value)
+
+
+def test_adam_only_arguments():
+  with pytest.raises(ValueError, match="eps_mode"):
+    ak.adam(eps_mode="paddle")
+  with pytest.raises(TypeError, match="nesterov"):
+    ak.adam(nesterov="yes")
+
+
+@pytest.mark.parametrize("factory", [ak.adam, ak.adamax])
+def test_integer_params_rejected(factory):
+  params = {"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)}
+  with pytest.raises(TypeError, match="'step' has dtype int32"):
+    factory().init(params)
+
+
+@pytest.mark.parametrize("factory", [ak.adam, ak.adamax])
+def test_mismatched_gradients_rejected(factory):
+  params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+  tx = factory()
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="does not match"):
+    tx.update({"a": jnp.ones(3)}, state, params)
+  with pytest.raises(ValueError, match=r"'b' has shape \(2, 3\)"):
+    tx.update({"a": jnp.ones(3), "b": jnp.ones((2, 3))}, state, params)
+  with pytest.raises(ValueError, match="does not match"):
+    jax.jit(tx.update)({"a": jnp.ones(3), "c": jnp.ones((2, 2))}, state, params)
+
+
+def test_weight_decay_needs_params():
+  tx = ak.adam(weight_decay=0.1)
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(ValueError, match="params"):
+    tx.update({"w": jnp.ones(2)}, tx.init(params))
+
+
+# ------------------------------------------------------------------------ masks
+
+PARAMS = {"conv1": {"weight": jnp.ones((2, 2, 3, 3))}, "bn1": {"gamma": jnp.ones(2),
+          "beta": jnp.ones(2)}, "fc": {"weight": jnp.ones((3, 2)), "bias": jnp.ones(3)},
+          "ln": {"scale": jnp.ones(2)}}
+
+
+@pytest.mark.parametrize("rule,decayed", [
+    (ak.masks.mindspore_rule(), {"conv1.weight", "fc.weight", "fc.bias", "ln.scale"}),
+    (ak.masks.flax_rule(), {"conv1.weight", "fc.weight", "bn1.gamma", "bn1.beta"}),
+    (ak.masks.ndim_rule(), {"conv1.weight", "fc.weight"}),
+    (ak.masks.match_names("*.weight"), {"conv1.weight", "fc.weight"}),
+    (ak.masks.exclude_names("bn1"), {"conv1.weight", "fc.weight", "fc.bias", "ln.scale"}),
+    (None, {"conv1.weight", "fc.weight", "fc.bias", "ln.scale", "bn1.gamma", "bn1.beta"}),
+    (lambda p: jax.tree.map(lambda x: x.ndim == 1, p),
+     {"fc.bias", "ln.scale", "bn1.gamma", "bn1.beta"}),
+])
+def test_mask_rules_choose_decayed_leaves(rule, decayed):
+  # lr=1, zero gradient: only decayed leaves get a non-zero update.
+  tx = ak.adam(1.0, weight_decay=0.5, weight_decay_mask=rule)
+  zeros = jax.tree.map(jnp.zeros_like, PARAMS)
+  updates, _ = tx.update(zeros, tx.init(PARAMS), PARAMS)
+  moved = {f"{a}.{b}" for a, sub in updates.items() for b, u in sub.items()
+           if float(jnp.max(jnp.abs(u))) > 0}
+  assert moved == decayed
+
+
+def test_bool_tree_mask_and_default_is_mindspore():
+  mask = jax.tree.map(lambda _: False, PARAMS)
+  mask["fc"]["bias"] = True
+  zeros = jax.tree.map(jnp.zeros_like, PARAMS)
+  tx = ak.adam(1.0, weight_decay=0.5, weight_decay_mask=mask)
+  updates, _ = tx.update(zeros, tx.init(PARAMS), PARAMS)
+  assert float(jnp.abs(updates["fc"]["bias"]).max()) > 0
+  assert float(jnp.abs(updates["fc"]["weight"]).max()) == 0
+  default = ak.adam(1.0, weight_decay=0.5)
+  explicit = ak.adam(1.0, weight_decay=0.5, weight_decay_mask=ak.masks.mindspore_rule())
+  u1, _ = default.update(zeros, default.init(PARAMS), PARAMS)
+  u2, _ = explicit.update(zeros, explicit.init(PARAMS), PARAMS)
+  jax.tree.map(np.testing.assert_array_equal, u1, u2)
+
+
+def test_l1_decay_is_coeff_times_sign():
+  params = {"w": jnp.array([2.0, -3.0, 0.0])}
+  tx = ak.add_decay(0.1, kind="l1")
+  out, _ = tx.update({"w": jnp.zeros(3)}, tx.init(params), params)
+  np.testing.assert_allclose(out["w"], [0.1, -0.1, 0.0])
+
+
+# ------------------------------------------------------------ learning-rate forms
+
+def test_schedule_forms():
+  count = jnp.arange(5)
+  np.testing.assert_allclose(jax.vmap(ak.as_schedule([0.3, 0.2, 0.1]))(count),
+                             [0.3, 0.2, 0.1, 0.1, 0.1], rtol=1e-7)
+  np.testing.assert_allclose(jax.vmap(ak.as_schedule(np.array([1.0, 2.0])))(count),
+                             [1, 2, 2, 2, 2])
+  assert float(ak.as_schedule(jnp.asarray(0.5))(3)) == 0.5
+  assert float(ak.as_schedule(2)(7)) == 2.0
+  sched = optax.linear_schedule(1.0, 0.0, 4)
+  assert ak.as_schedule(sched) is sched
+
+
+def test_get_lr_follows_schedule_and_iterable():
+  params = {"w": jnp.zeros(2)}
+  tx = ak.adam(optax.exponential_decay(0.1, 1, 0.5))
+  state = tx.init(params)
+  seen = []
+  for _ in range(3):
+    seen.append(float(ak.get_lr(state)))
+    _, state = jax.jit(tx.update)({"w": jnp.ones(2)}, state, params)
+  np.testing.assert_allclose(seen, [0.1, 0.05, 0.025], rtol=1e-6)
+
+
+# ------------------------------------------------------------- save and restore
+
+def test_state_dict_names_and_exact_resume():
+  params = {"fc": {"weight": jnp.ones((3, 2)), "bias": jnp.zeros(3)},
+            "bn": {"gamma": jnp.ones(3)}}
+  tx = ak.adam([0.1, 0.05, 0.02, 0.01], weight_decay=0.01,
+               groups=[ak.Group("bn.*", lr_scale=0.5)])
+  grads = [jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.1 * (i + 1)), params) for i in range(6)]
+  step = jax.jit(lambda p, s, g: (optax.apply_updates(p, tx.update(g, s, p)[0]), tx.update(g, s, p)[1]))
+
+  p, s = params, tx.init(params)
+  for g in grads:
+    p, s = step(p, s, g)
+  uninterrupted = p
+
+  p, s = params, tx.init(params)
+  for g in grads[:3]:
+    p, s = step(p, s, g)
+  saved = ak.state_dict(s, p)
+  assert {"fc.weight.moment1", "fc.weight.moment2", "bn.gamma.moment1",
+          "default.step", "group0.step"} <= set(saved)
+  assert int(saved["default.step"]) == 3
+  assert all(isinstance(v, np.ndarray) for v in saved.values())
+  saved_params = jax.tree.map(np.asarray, p)
+  restored = ak.load_state_dict(saved, tx.init(params))
+  p = jax.tree.map(jnp.asarray, saved_params)
+  for g in grads[3:]:
+    p, restored = step(p, restored, g)
+  jax.tree.map(np.testing.assert_array_equal, p, uninterrupted)
+
+
+def test_load_state_dict_errors():
+  params = {"w": jnp.ones(2)}
+  tx = ak.adam()
+  sd = ak.state_dict(tx.init(params))
+  missing = dict(sd)
+  del missing["w.moment1"]
+  with pytest.raises(KeyError, match="w.moment1"):
+    ak.load_state_dict(missing, tx.init(params))
+  with pytest.raises(ValueError, match="unexpected"):
+    ak.load_state_dict({**sd, "x.moment1": np.zeros(2)}, tx.init(params))
+  with pytest.raises(ValueError, match="shape"):
+    ak.load_state_dict({**sd, "w.moment2": np.zeros(3)}, tx.init(params))
