@@ -1,0 +1,53 @@
+"""``python -m adamkit.demo``: a short run trains every optimizer and reports on each."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from adamkit import demo
+
+SMALL = ["--steps", "40", "--batch", "256", "--users", "2000", "--items", "300",
+         "--lr", "0.03"]
+
+
+def test_demo_main_trains_every_optimizer(tmp_path, capsys):
+  results = demo.main(SMALL + ["--out", str(tmp_path), "--no-progress"])
+  out = capsys.readouterr().out
+  assert set(results) == set(demo.OPTIMIZERS)
+  for name, r in results.items():
+    assert len(r["losses"]) == 40
+    assert np.mean(r["losses"][-5:]) < r["losses"][0] - 0.02, name  # the loss went down
+    assert 0.5 < r["eval_auc"][-1] <= 1.0, name
+    assert r["label"] in out  # one table row per optimizer
+  assert "eval AUC" in out and "check: " in out
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert set(saved) == set(results)
+  pytest.importorskip("matplotlib")
+  png = tmp_path / "demo_loss.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_subset_and_plain_progress(tmp_path, capsys, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed
+  results = demo.main(SMALL + ["--steps", "10", "--out", str(tmp_path),
+                               "--optimizers", "adamax", "--no-plot"])
+  captured = capsys.readouterr()
+  assert list(results) == ["adamax"]
+  assert "ak.adamax: step 10/10" in captured.err
+  assert not (tmp_path / "demo_loss.png").exists()
+
+
+def test_demo_rejects_unknown_optimizer(capsys):
+  with pytest.raises(SystemExit):
+    demo.parse_args(["--optimizers", "adam,sgd"])
+  assert "sgd" in capsys.readouterr().err
+
+
+def test_auc_matches_pairwise_definition():
+  rng = np.random.default_rng(0)
+  scores, labels = rng.normal(size=60), rng.random(60) < 0.4
+  pos, neg = scores[labels], scores[~labels]
+  pairwise = np.mean(pos[:, None] > neg[None, :])
+  assert demo.auc(scores, labels) == pytest.approx(pairwise)
