@@ -134,7 +134,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
          b2: float = 0.999, eps: float = 1e-8, *, eps_mode: str = "hat",
          nesterov: bool = False, weight_decay: Any = 0.0,
-         weight_decay_mask: _masks.MaskSpec = _masks.ExcludeNames(("beta", "gamma")),
+         weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
          loss_scale: float = 1.0, grad_clip: _links.GradClip = None,
          grad_centralization: bool = False, groups=None, mu_dtype: Any = None,
          nonfinite: str = "propagate") -> optax.GradientTransformation:

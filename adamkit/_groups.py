@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Callable, Mapping, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import optax
@@ -83,7 +84,7 @@ _DICT_KEYS = {
 }
 
 
-def as_group(spec: Union[Group, Mapping[str, Any]], index: int) -> Group:
+def as_group(spec: Group | Mapping[str, Any], index: int) -> Group:
   """Accepts a :class:`Group` or a MindSpore/Paddle-style dict."""
   if isinstance(spec, Group):
     group = spec

@@ -19,7 +19,6 @@ import optax
 from adamkit import _masks, _schedules, _validate
 from adamkit._sparse_types import RowSparse, is_row_sparse, map_values, safe_ids
 
-
 # ---------------------------------------------------------------------------- checks
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import jax
 import numpy as np
@@ -88,6 +89,9 @@ def match_names(*patterns: str) -> MatchNames:
   """Decay only the leaves whose dotted path matches a glob pattern, e.g. ``'*.weight'``."""
   return MatchNames(tuple(patterns))
 
+
+# The default of every named optimizer: MindSpore's rule.
+MINDSPORE_DEFAULT = ExcludeNames(("beta", "gamma"))
 
 MaskSpec = Union[None, MaskRule, Callable[[Any], Any], Any]
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import collections.abc
 import numbers
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Union
 
 import jax
 import jax.numpy as jnp

@@ -8,7 +8,6 @@ import pytest
 
 import adamkit as ak
 
-
 # ------------------------------------------------------------------ bad arguments
 
 @pytest.mark.parametrize("factory", [ak.adam, ak.adamax, ak.scale_by_adam, ak.scale_by_adamax])

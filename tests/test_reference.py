@@ -1,6 +1,5 @@
 """adamkit against the independent float64 NumPy reference, over random settings."""
 
-import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np

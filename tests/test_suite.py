@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import adamkit as ak
 
