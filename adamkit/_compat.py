@@ -6,7 +6,8 @@ Only what :mod:`adamkit._offload` needs lives here; each shim names the versions
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.experimental import compute_on as _compute_on_mod

@@ -16,12 +16,14 @@ import functools
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from adamkit import _adam, _compat, _validate
+from adamkit._sparse_types import RowSparse, is_row_sparse, safe_ids
 
 _MODES = ("compute", "state")
 _HOST_KINDS = ("pinned_host",)
@@ -41,7 +43,7 @@ def _memory_kinds(devices) -> set[str]:
   return kinds or set()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _host_compute_error(platform: str) -> str | None:
   """Compiles a one-element host computation once per platform; the error text or None."""
   try:
@@ -86,6 +88,17 @@ def _concrete_devices(tree) -> list | None:
     if sharding is not None:
       devs.extend(sharding.device_set)
   return list(dict.fromkeys(devs)) or None
+
+
+def _reads_params(fn, updates, state, params, extra) -> bool:
+  """Whether ``fn(updates, state, params, extra)`` reads ``params`` (traced, not run)."""
+  jaxpr = jax.make_jaxpr(fn)(updates, state, params, extra).jaxpr
+  n_before = len(jax.tree.leaves((updates, state)))
+  wanted = set(jaxpr.invars[n_before:n_before + len(jax.tree.leaves(params))])
+  is_var = lambda v: not isinstance(v, jax.extend.core.Literal)  # noqa: E731
+  used = {v for eqn in jaxpr.eqns for v in eqn.invars if is_var(v)}
+  used.update(v for v in jaxpr.outvars if is_var(v))
+  return bool(wanted & used)
 
 
 # ---------------------------------------------------------------------- shardings
@@ -187,6 +200,102 @@ def offload_state(state: Any, params: Any, *, shardings: Any = None,
       state, offload_shardings(state, params, shardings=shardings, memory_kind=memory_kind))
 
 
+# ----------------------------------------------------------- sparse: touched rows only
+
+
+def _host_gather(table, ids):
+  """``table[ids]`` computed on the host; the rows come back in device memory.
+
+  ``mode="clip"``: the padding id ``N`` that :meth:`RowSparse.coalesce` leaves reads row
+  ``N - 1``, whose result :func:`_host_scatter` later drops. (``mode="fill"`` would build a
+  device-typed mask next to the host-typed table, which JAX rejects.)
+  """
+  return _compat.on_host(lambda t, i: t.at[i].get(mode="clip"), _compat.DEVICE)(table, ids)
+
+
+def _host_scatter(table, ids, rows):
+  """``table[ids] = rows`` computed on the host, in place when the state is donated."""
+  return _compat.on_host(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"),
+                         _compat.HOST)(table, ids, jax.device_put(rows, _compat.HOST))
+
+
+def _update_touched_rows(inner, updates, state, params, extra):
+  """``mode="state"`` for gradient trees with :class:`RowSparse` leaves.
+
+  Each sparse table's gradient names at most ``k`` distinct rows; the state leaves that
+  mirror the table (same shape, path ending with the table's path) are gathered on the
+  host to those ``k`` rows, which alone travel to the device. ``inner`` then updates a
+  *reduced* problem in which each table has ``k`` rows, and the new rows are scattered back
+  into the host-resident state. Every other state leaf moves whole, as in ``mode="state"``.
+
+  Valid for transforms that treat rows independently and leave untouched rows alone (lazy
+  sparse Adam); returns ``None`` when ``inner`` answers a sparse gradient with a dense
+  update (``lazy=False``: every row moves), and the caller moves the whole state instead.
+  """
+  g_flat, g_def = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)
+  tables = {}  # path -> (global ids (k,), num_rows N, row shape)
+  reduced_g = []
+  for path, g in g_flat:
+    if not isinstance(g, RowSparse) or g.indices.shape[0] == 0:
+      reduced_g.append(g)
+      continue
+    # The k occurrences name at most k rows: sorted unique ids, then padding id N. The
+    # reduced gradient keeps every occurrence (duplicates, per-occurrence decay) and
+    # renames each to its row's slot; bad ids get slot k, which the reduced table drops.
+    k, n = g.indices.shape[0], g.num_rows
+    ids, slot = jnp.unique(safe_ids(g.indices, n), size=k, fill_value=n, return_inverse=True)
+    slot = slot.reshape(-1).astype(g.indices.dtype)
+    slot = jnp.where(ids[slot] < n, slot, k)
+    tables[tuple(path)] = (ids, n, g.values.shape[1:])
+    reduced_g.append(RowSparse.tree_unflatten(k, (slot, g.values)))
+  reduced_updates = g_def.unflatten(reduced_g)
+
+  reduced_params = params
+  if params is not None:
+    p_flat, p_def = jax.tree_util.tree_flatten_with_path(params)
+    reduced_params = p_def.unflatten([
+        p.at[tables[tuple(path)][0]].get(mode="fill", fill_value=0)
+        if tuple(path) in tables else p for path, p in p_flat])
+
+  def table_of(path, leaf):
+    """The sparse table a state leaf mirrors, or None."""
+    path = tuple(path)
+    for t_path, (_, n, row) in tables.items():
+      if path[len(path) - len(t_path):] == t_path and np.shape(leaf) == (n, *row):
+        return t_path
+    return None
+
+  s_flat, s_def = jax.tree_util.tree_flatten_with_path(state)
+  owners = [table_of(path, leaf) for path, leaf in s_flat]
+  host_ids = {t: jax.device_put(tables[t][0], _compat.HOST) for t in tables}
+  reduced_state = s_def.unflatten([
+      jax.device_put(leaf, _compat.DEVICE) if t is None else _host_gather(leaf, host_ids[t])
+      for (_, leaf), t in zip(s_flat, owners)])
+
+  u, new_state = inner.update(reduced_updates, reduced_state, reduced_params, **extra)
+
+  u_flat = jax.tree_util.tree_flatten_with_path(u, is_leaf=is_row_sparse)[0]
+  out_u = []
+  for path, leaf in u_flat:
+    t = tables.get(tuple(path))
+    if t is None:
+      out_u.append(leaf)
+      continue
+    if not isinstance(leaf, RowSparse):
+      return None  # a dense answer: every row of the table moves
+    ids, n, _ = t
+    global_ids = ids.at[leaf.indices].get(mode="fill", fill_value=n)
+    out_u.append(RowSparse.tree_unflatten(n, (global_ids, leaf.values)))
+  out_u = jax.tree.structure(u, is_leaf=is_row_sparse).unflatten(out_u)
+
+  new_flat = s_def.flatten_up_to(new_state)
+  out_state = s_def.unflatten([
+      jax.device_put(new, _compat.HOST) if t is None
+      else _host_scatter(old, host_ids[t], new)
+      for (_, old), new, t in zip(s_flat, new_flat, owners)])
+  return out_u, out_state
+
+
 # --------------------------------------------------------------------- the wrapper
 
 
@@ -267,6 +376,10 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
     return offload_state(state, params, memory_kind=memory_kind)
 
   def update_state_mode(updates, state, params, extra):
+    if any(isinstance(g, RowSparse) for g in jax.tree.leaves(updates, is_leaf=is_row_sparse)):
+      out = _update_touched_rows(inner, updates, state, params, extra)
+      if out is not None:
+        return out
     state = jax.device_put(state, _compat.DEVICE)
     updates, state = inner.update(updates, state, params, **extra)
     return updates, jax.device_put(state, _compat.HOST)
@@ -275,10 +388,13 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
     def host_update(updates, state, params, extra):
       return inner.update(updates, state, params, **extra)
 
-    args = jax.device_put((updates, state, params, extra), _compat.HOST)
+    updates, state, params, extra = jax.device_put((updates, state, params, extra),
+                                                   _compat.HOST)
     fn = _compat.on_host(host_update, (_compat.DEVICE, _compat.HOST))
     try:
-      return fn(*args)
+      if params is not None and not _reads_params(host_update, updates, state, params, extra):
+        params = None  # keep the 4 bytes per parameter of an unused copy off the link
+      return fn(updates, state, params, extra)
     except (TypeError, ValueError) as e:
       if "memory_space" not in str(e) and "<host>" not in str(e):
         raise
@@ -287,8 +403,9 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
           "host-resident state: it creates arrays of its own (zeros, a lax.cond branch), "
           "which JAX types as device memory, and combines them with host-resident ones. "
           "Known cases: optax.clip_by_global_norm (ak.ClipGradByGlobalNorm), "
-          "optax.apply_if_finite (nonfinite='skip'), optax.adafactor. Use mode='state' "
-          "for this transform: its state still lives in host memory between steps."
+          "optax.apply_if_finite (nonfinite='skip'), optax.adafactor, ak.sparse_adam. Use "
+          "mode='state' for this transform: its state still lives in host memory between "
+          "steps (for sparse tables only the touched rows travel)."
       ) from e
 
   def update_fn(updates, state, params=None, **extra):

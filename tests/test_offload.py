@@ -48,6 +48,36 @@ def assert_close_tree(a, b, rtol=2e-6, atol=1e-7):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+def transfers(fn, *args):
+  """The host <-> device moves in ``fn``'s jaxpr: ``{"to_host": avals, "to_device": avals}``.
+
+  Read from the types, so it is the same on every backend (the CPU backend lowers the
+  placement annotations to nothing, since its two memories are one RAM).
+  """
+  out = {"to_host": [], "to_device": []}
+  host, device = jax.memory.Space.Host, jax.memory.Space.Device
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "device_put":
+        for a, b in zip(eqn.invars, eqn.outvars):
+          if a.aval.memory_space != b.aval.memory_space:
+            out["to_host" if b.aval.memory_space == host else "to_device"].append(b.aval)
+      elif eqn.primitive.name == "compute_on":  # runs on the host: outputs may come up
+        out["to_device"] += [b.aval for b in eqn.outvars if b.aval.memory_space == device]
+        out["to_host"] += [a.aval for a in eqn.invars if a.aval.memory_space == device]
+      else:
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+          walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
+def nbytes(avals):
+  return sum(a.size * a.dtype.itemsize for a in avals)
+
+
 def run_donated(step, params, state, steps):
   """Runs ``steps`` donated steps; checks placement after each and donation's effect."""
   with warnings.catch_warnings(record=True) as caught:
@@ -79,6 +109,15 @@ def test_jit_step_placement_and_trajectory(mode, make_tx):
   state = tx.init(params)
   assert kinds(state) == {HOST} and kinds(params) == {"device"}
   assert jax.tree.structure(state) == jax.tree.structure(ref_tx.init(params))
+
+  # What crosses the link per step. Both optimizers read the params (weight decay).
+  moved = transfers(jit_step(tx).__wrapped__, params, state, jnp.float32(0))
+  p_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  s_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  if mode == "compute":  # gradient and params down, the update up; the state stays
+    assert (nbytes(moved["to_host"]), nbytes(moved["to_device"])) == (2 * p_bytes, p_bytes)
+  else:  # the whole state down to the device and back
+    assert (nbytes(moved["to_host"]), nbytes(moved["to_device"])) == (s_bytes, s_bytes)
 
   p, s = run_donated(jit_step(tx), copy(params), state, steps=4)
 
@@ -212,10 +251,11 @@ def test_offload_shardings_matches_by_path_and_shape():
   a = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("x", None)))
   b = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "x")))
   params = {"a": a, "b": b}
-  sh = ak.offload_shardings(optax.adafactor(0.1).init(params), params)
-  leaves = jax.tree_util.tree_flatten_with_path(sh)[0]
-  for path, s in leaves:
+  # Factored moments (shapes unlike any param) are replicated, still in host memory.
+  state = optax.adafactor(0.1).init(params)
+  for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(ak.offload_shardings(state, params))):
     assert s.memory_kind == HOST
+    assert x.shape == (8, 8) or s.is_fully_replicated
   state = ak.scale_by_adam().init(params)
   sh = ak.offload_shardings(state, params)
   assert sh.mu["a"].spec == P("x", None) and sh.nu["b"].spec == P(None, "x")
@@ -267,6 +307,82 @@ def test_restored_state_lands_in_host_memory(mode):
   assert_close_tree(got_p, want_p, rtol=0, atol=0)
 
 
+# ---------------------------------------------------------------------- sparse
+
+N_ROWS, ROW = 64, 4
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "dense-rows"])
+def test_sparse_adam_state_in_host_memory(lazy):
+  params = {"emb": jnp.linspace(-1.0, 1.0, N_ROWS * ROW, dtype=jnp.float32).reshape(
+      N_ROWS, ROW), "fc": {"kernel": jnp.ones((ROW, 2), jnp.float32)}}
+
+  def make():
+    return ak.sparse_adam(0.05, lazy=lazy, weight_decay=0.1)
+
+  tx, ref = ak.offload(make(), mode="state"), make()
+
+  def step_with(t):
+    def step(params, state, ids):
+      grads = {"emb": ak.RowSparse(ids, jnp.cos(ids.astype(jnp.float32))[:, None]
+                                   * jnp.ones((1, ROW), jnp.float32), N_ROWS),
+               "fc": {"kernel": params["fc"]["kernel"] * 0.5}}
+      updates, state = t.update(grads, state, params)
+      return ak.apply_updates(params, updates), state
+    return step
+
+  step = jax.jit(step_with(tx), donate_argnums=(0, 1))
+  ref_step = jax.jit(step_with(ref))
+  id_batches = [[3, 3, 10, 63], [10, 0, 5, 5], [99, 3, 7, 7]]  # duplicates; 99 is dropped
+  ids0 = jnp.array(id_batches[0], jnp.int32)
+  moved = transfers(step_with(tx), params, tx.init(params), ids0)
+  shapes = {d: [a.shape for a in avals] for d, avals in moved.items()}
+  k_rows = (len(id_batches[0]), ROW)
+  if lazy:  # mu and nu: only the k touched rows come to the device and go back
+    for d in ("to_device", "to_host"):
+      assert (N_ROWS, ROW) not in shapes[d] and shapes[d].count(k_rows) == 2, shapes[d]
+  else:  # every row moves: the whole tables come to the device
+    assert shapes["to_device"].count((N_ROWS, ROW)) == 2, shapes["to_device"]
+
+  p, s = copy(params), tx.init(params)
+  rp, rs = params, ref.init(params)
+  mu0 = np.asarray(adam_sparse_moments(s).mu["emb"]).copy()
+  for ids in id_batches:
+    ids = jnp.array(ids, jnp.int32)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      p, s = step(p, s, ids)
+    assert not [w for w in caught if "donated" in str(w.message)]
+    rp, rs = ref_step(rp, rs, ids)
+    assert kinds(s) == {HOST} and kinds(p) == {"device"}
+  assert_close_tree(p, rp, rtol=0, atol=0)
+  assert_close_tree(s, rs, rtol=0, atol=0)
+
+  # Row-sparse gradients cannot be traced on the host here: the error names the mode.
+  compute = ak.offload(make(), mode="compute")
+  with pytest.raises(RuntimeError, match="Use mode='state'"):
+    step_with(compute)(params, compute.init(params), ids0)
+  if lazy:  # rows never looked up keep their moments bit for bit
+    untouched = sorted(set(range(N_ROWS)) - {i for b in id_batches for i in b})
+    np.testing.assert_array_equal(np.asarray(adam_sparse_moments(s).mu["emb"])[untouched],
+                                  mu0[untouched])
+
+
+def adam_sparse_moments(state):
+  is_sparse = lambda x: isinstance(x, ak.ScaleBySparseAdamState)  # noqa: E731
+  return next(n for n in jax.tree.leaves(state, is_leaf=is_sparse) if is_sparse(n))
+
+
+def test_compute_mode_reads_params_only_when_needed():
+  params = make_params()
+  state_args = []
+  for tx, want in ((ak.adam(0.1), False), (ak.adam(0.1, weight_decay=0.1), True)):
+    st = tx.init(params)
+    fn = lambda u, s, p, e, tx=tx: tx.update(u, s, p)  # noqa: E731
+    assert _offload._reads_params(fn, params, st, params, {}) is want
+    state_args.append(st)
+
+
 # ---------------------------------------------------------------------- errors
 
 
@@ -309,7 +425,7 @@ def test_backend_without_host_compute_points_to_state_mode(monkeypatch):
 
 @pytest.mark.parametrize("make_tx", [
     lambda: ak.adam(0.1, grad_clip=ak.ClipGradByGlobalNorm(1.0)),
-    lambda: ak.adam(0.1, nonfinite="skip"),
+      lambda: ak.adam(0.1, nonfinite="skip"),
 ], ids=["global-norm-clip", "skip-nonfinite"])
 def test_untraceable_on_host_points_to_state_mode(make_tx):
   params = make_params()
