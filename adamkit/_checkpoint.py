@@ -138,11 +138,11 @@ def get_lr(state: Any):
     >>> tx = ak.adam([0.1, 0.05, 0.01])
     >>> params = {"w": jnp.zeros(2)}
     >>> state = tx.init(params)
-    >>> float(ak.get_lr(state))
-    0.1
+    >>> ak.get_lr(state)
+    Array(0.1, dtype=float32)
     >>> _, state = tx.update({"w": jnp.ones(2)}, state, params)
-    >>> float(ak.get_lr(state))
-    0.05
+    >>> ak.get_lr(state)
+    Array(0.05, dtype=float32)
   """
   is_lr = lambda x: isinstance(x, ScaleByLearningRateState)  # noqa: E731
   found = [(p, n) for p, n in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_lr)[0]
