@@ -211,3 +211,52 @@ def test_load_state_dict_errors():
     ak.load_state_dict({**sd, "x.moment1": np.zeros(2)}, tx.init(params))
   with pytest.raises(ValueError, match="shape"):
     ak.load_state_dict({**sd, "w.moment2": np.zeros(3)}, tx.init(params))
+
+
+# ------------------------------------------------------------------------ groups
+
+def test_group_selectors_and_no_duplicated_state():
+  params = {"conv1": {"weight": jnp.ones((2, 2, 3, 3))}, "fc": {"weight": jnp.ones((3, 2)),
+            "bias": jnp.ones(3)}, "bn1": {"gamma": jnp.ones(2)}}
+  tx = ak.adam(0.1, groups=[
+      ak.Group(lambda name, leaf: leaf.ndim == 4, lr=0.0),       # label function
+      ak.Group(ak.masks.match_names("*.bias"), lr_scale=0.0),     # mask rule
+      ak.Group(("bn1.*", "nothing.*"), name="norms", lr=0.0),     # tuple of globs
+  ])
+  state = tx.init(params)
+  # each parameter's moments exist once, in exactly one group
+  moments = [k for k in ak.state_dict(state) if k.endswith(".moment1")]
+  assert sorted(moments) == sorted(["conv1.weight.moment1", "fc.weight.moment1",
+                                    "fc.bias.moment1", "bn1.gamma.moment1"])
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, state = tx.update(grads, state, params)
+  assert float(jnp.abs(updates["fc"]["weight"]).max()) > 0      # default group moves
+  for frozen in (updates["conv1"]["weight"], updates["fc"]["bias"], updates["bn1"]["gamma"]):
+    assert float(jnp.abs(frozen).max()) == 0
+  assert set(ak.get_lr(state)) == {"default", "group0", "group1", "norms"}
+
+
+def test_global_norm_clip_sees_every_group():
+  # Paddle's ClipGradByGlobalNorm takes the norm over all parameters, groups or not.
+  params = {"a": jnp.ones(4), "b": jnp.ones(4)}
+  grads = {"a": jnp.full(4, 3.0), "b": jnp.full(4, 4.0)}   # global norm = 10
+  clip = ak.ClipGradByGlobalNorm(1.0)
+  kw = dict(grad_clip=clip, eps=1.0, eps_mode="corrected")
+  grouped = ak.adam(1.0, groups=[ak.Group("a")], **kw)
+  plain = ak.adam(1.0, **kw)
+  u1, _ = grouped.update(grads, grouped.init(params), params)
+  u2, _ = plain.update(grads, plain.init(params), params)
+  jax.tree.map(np.testing.assert_array_equal, u1, u2)
+  # eps=1 keeps the clipped gradient's size visible: first step u = g / (|g| + 1)
+  np.testing.assert_allclose(-u1["a"], 0.3 / 1.3, rtol=1e-5)
+
+
+def test_mu_dtype_bfloat16_state_is_kept():
+  params = {"w": jnp.ones((4, 4))}
+  tx = ak.adam(0.1, mu_dtype=jnp.bfloat16)
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.full((4, 4), 0.5)}, state, params)
+  inner = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ak.ScaleByAdamState))
+           if isinstance(s, ak.ScaleByAdamState)][0]
+  assert inner.mu["w"].dtype == jnp.bfloat16 and inner.nu["w"].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(inner.mu["w"], np.float32), 0.05, rtol=1e-2)
