@@ -73,7 +73,7 @@ def check_row_ids(grads: Any) -> None:
       bad = (ids < 0) | (ids >= leaf.num_rows)
       pos = jnp.argmax(bad)
       checkify.check(~jnp.any(bad),
-                     "RowSparse row id {id} (position {pos}) is outside [0, %d)" % leaf.num_rows,
+                     f"RowSparse row id {{id}} (position {{pos}}) is outside [0, {leaf.num_rows})",
                      id=ids[pos], pos=pos)
 
 
@@ -326,7 +326,7 @@ def _check_table(g: RowSparse, m: jax.Array) -> None:
 def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8, *, lazy: bool = True,
                 eps_mode: str = "hat", nesterov: bool = False, weight_decay: Any = 0.0,
-                weight_decay_mask: _masks.MaskSpec = _masks.ExcludeNames(("beta", "gamma")),
+                weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
                 loss_scale: float = 1.0, unique_ids: bool = False, mu_dtype: Any = None,
                 nonfinite: str = "propagate") -> optax.GradientTransformation:
   r"""Adam for trees mixing :class:`adamkit.RowSparse` (embedding) and dense gradients.

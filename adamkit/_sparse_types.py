@@ -7,7 +7,8 @@ can recognise a :class:`RowSparse` leaf without an import cycle.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

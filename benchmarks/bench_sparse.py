@@ -72,7 +72,6 @@ def bench_ak_sparse(n, d, data, reps):
     box[:] = [p, s, j + 1]
 
   ms = median_ms(run, reps)
-  del box, params, state
   return ms, temp
 
 
@@ -96,7 +95,6 @@ def bench_dense(n, d, data, reps, which):
     box[:] = [p, s]
 
   ms = median_ms(run, reps, warmup=1)
-  del box, params, state, grads
   return ms
 
 
@@ -114,7 +112,6 @@ def bench_torch(n, d, data, reps):
     box[0] += 1
 
   ms = median_ms(run, reps)
-  del opt, emb, grads
   return ms
 
 
