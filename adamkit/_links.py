@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _masks, _schedules, _validate
-from adamkit._sparse_types import RowSparse, is_row_sparse, map_values, safe_ids
+from adamkit._sparse_types import RowSparse, gather_rows, is_row_sparse, map_values, safe_ids
 
 # ---------------------------------------------------------------------------- checks
 
@@ -192,7 +192,7 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
       if g is None or not k:
         return g
       if isinstance(g, RowSparse):  # MindSpore: only the touched rows decay
-        w = w.at[safe_ids(g.indices, g.num_rows)].get(mode="fill", fill_value=0)
+        w = gather_rows(w, safe_ids(g.indices, g.num_rows))
         return g.with_values(decay(g.values, w, k))
       term = w if kind == "l2" else jnp.sign(w)
       return g + (wd * term.astype(jnp.float32)).astype(g.dtype)

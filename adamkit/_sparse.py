@@ -20,19 +20,16 @@ import optax
 from jax.experimental import checkify
 
 from adamkit import _adam, _groups, _masks, _schedules, _validate
-from adamkit._sparse_types import RowSparse, check_row_args, is_row_sparse, safe_ids
+from adamkit._sparse_types import (
+    RowSparse,
+    check_row_args,
+    gather_rows,
+    is_row_sparse,
+    safe_ids,
+    scatter_rows,
+)
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _gather_rows(x: jax.Array, ids: jax.Array) -> jax.Array:
-  """``x[ids]`` for safe ids; the out-of-range id ``N`` reads a row of zeros."""
-  return x.at[ids].get(mode="fill", fill_value=0)
-
-
-def _scatter_rows(x: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
-  """``x[ids] = rows`` for unique safe ids; the out-of-range id ``N`` is dropped."""
-  return x.at[ids].set(rows.astype(x.dtype), mode="drop")
 
 
 def _lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
@@ -40,9 +37,9 @@ def _lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov)
   ids = safe_ids(g.indices, g.num_rows)
   dt = _adam.compute_dtype(g.values)
   u, m_rows, v_rows = _adam.adam_direction(
-      g.values.astype(dt), _gather_rows(m, ids).astype(dt), _gather_rows(v, ids).astype(dt),
+      g.values.astype(dt), gather_rows(m, ids).astype(dt), gather_rows(v, ids).astype(dt),
       b1=b1, b2=b2, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
-  return ids, u, _scatter_rows(m, ids, m_rows), _scatter_rows(v, ids, v_rows)
+  return ids, u, scatter_rows(m, ids, m_rows), scatter_rows(v, ids, v_rows)
 
 
 def check_row_ids(grads: Any) -> None:
@@ -164,7 +161,7 @@ def fused_sparse_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps
   var, m, v, g = _fused_args(var, m, v, gradient, indices)
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
   dt = _adam.compute_dtype(var)
-  u, m_new, v_new = _adam.adam_direction(g.todense().astype(dt), m.astype(dt), v.astype(dt),
+  u, m_new, v_new = _adam.adam_direction(g.todense(like=m).astype(dt), m.astype(dt), v.astype(dt),
                                          eps_mode="hat", nesterov=use_nesterov, **hyper)
   var_new = var.astype(dt) - lr * u
   return var_new.astype(var.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
@@ -211,8 +208,8 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
   var, m, v, g = _fused_args(var, m, v, gradient, indices)
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
   ids, u, m, v = _lazy_rows(g.coalesce(), m, v, eps_mode="hat", nesterov=use_nesterov, **hyper)
-  rows = _gather_rows(var, ids).astype(u.dtype) - lr * u
-  return _scatter_rows(var, ids, rows), m, v
+  rows = gather_rows(var, ids).astype(u.dtype) - lr * u
+  return scatter_rows(var, ids, rows), m, v
 
 
 # ---------------------------------------------------------------------- transforms
@@ -301,7 +298,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
         return RowSparse.tree_unflatten(g.num_rows, (ids, u.astype(g.dtype))), m, v
       if isinstance(g, RowSparse):
         _check_table(g, m)
-        g = g.todense()
+        g = g.todense(like=m)
       dt = _adam.compute_dtype(g)
       u, m_new, v_new = _adam.adam_direction(g.astype(dt), m.astype(dt), v.astype(dt), **hyper)
       return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
@@ -424,7 +421,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
         raise ValueError(f"A RowSparse update of dense shape {u.shape} does not fit a "
                          f"parameter of shape {np.shape(p)}.")
       ids = safe_ids(u.indices, u.num_rows)
-      return p.at[ids].add(u.values.astype(p.dtype), mode="drop")
+      return scatter_rows(p, ids, u.values, add=True)
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
   return jax.tree.map(apply, params, updates, is_leaf=lambda x: x is None)

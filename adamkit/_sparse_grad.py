@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adamkit import _validate
-from adamkit._sparse_types import RowSparse, check_ids, safe_ids
+from adamkit._sparse_types import RowSparse, check_ids, gather_rows, safe_ids
 
 
 @jax.tree_util.register_pytree_node_class
@@ -74,7 +74,7 @@ def lookup(table: Any, ids: Any) -> jax.Array:
   if np.ndim(table) < 1:
     raise ValueError(f"lookup() needs a table of at least 1 dimension, got shape "
                      f"{np.shape(table)}.")
-  return table.at[safe_ids(ids, table.shape[0])].get(mode="fill", fill_value=0)
+  return gather_rows(table, safe_ids(ids, table.shape[0]))
 
 
 def value_and_sparse_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable:

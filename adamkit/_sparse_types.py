@@ -92,6 +92,48 @@ def safe_ids(indices: jax.Array, num_rows: int) -> jax.Array:
   return jnp.where(valid, indices, jnp.asarray(num_rows, indices.dtype))
 
 
+def _explicit_sharding(x: Any):
+  """``x``'s sharding when it lives on a mesh with Explicit axes, else ``None``.
+
+  With explicit sharding (the default of ``jax.make_mesh`` since JAX 0.7), a gather from or
+  scatter into a row-sharded table must be told its output sharding. ``jax.typeof`` and
+  ``AxisType`` exist from JAX 0.6; older versions have no explicit mode (``None``).
+  """
+  typeof = getattr(jax, "typeof", None)
+  axis_type = getattr(jax.sharding, "AxisType", None)
+  if typeof is None or axis_type is None:
+    return None
+  sharding = getattr(typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not any(t == axis_type.Explicit for t in getattr(mesh, "axis_types", ())):
+    return None
+  return sharding
+
+
+def gather_rows(x: jax.Array, ids: jax.Array) -> jax.Array:
+  """``x[ids]`` for safe ids (see :func:`safe_ids`); the id ``N`` reads a row of zeros.
+
+  Under explicit sharding the gathered rows come out replicated.
+  """
+  sharding = _explicit_sharding(x)
+  kw = {}
+  if sharding is not None:
+    kw["out_sharding"] = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return x.at[ids].get(mode="fill", fill_value=0, **kw)
+
+
+def scatter_rows(x: jax.Array, ids: jax.Array, rows: jax.Array, *, add: bool = False):
+  """``x[ids] = rows`` (or ``+=`` with ``add``) for safe ids; the id ``N`` is dropped.
+
+  Keeps ``x``'s sharding, so a donated table is updated in place.
+  """
+  sharding = _explicit_sharding(x)
+  kw = {} if sharding is None else {"out_sharding": sharding}
+  ref = x.at[ids]
+  op = ref.add if add else ref.set
+  return op(rows.astype(x.dtype), mode="drop", **kw)
+
+
 @jax.tree_util.register_pytree_node_class
 class RowSparse:
   r"""A row-sparse gradient of an ``(num_rows, *row_shape)`` table.
@@ -160,11 +202,17 @@ class RowSparse:
     """The same ids with new values (no checks, works under jit)."""
     return RowSparse.tree_unflatten(self.num_rows, (self.indices, values))
 
-  def todense(self) -> jax.Array:
-    """The dense ``(num_rows, *row_shape)`` array; duplicates summed, bad ids dropped."""
+  def todense(self, like: jax.Array | None = None) -> jax.Array:
+    """The dense ``(num_rows, *row_shape)`` array; duplicates summed, bad ids dropped.
+
+    ``like``: an array of that shape whose sharding the result takes (e.g. the table).
+    """
     ids = safe_ids(self.indices, self.num_rows)
-    zeros = jnp.zeros(self.shape, self.values.dtype)
-    return zeros.at[ids].add(self.values, mode="drop")
+    if like is None:
+      zeros = jnp.zeros(self.shape, self.values.dtype)
+    else:
+      zeros = jnp.zeros_like(like, dtype=self.values.dtype)
+    return scatter_rows(zeros, ids, self.values, add=True)
 
   def coalesce(self) -> RowSparse:
     """Merges duplicate ids (values summed) with static shapes, so it works under jit.
