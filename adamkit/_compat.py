@@ -12,8 +12,18 @@ from typing import Any
 import jax
 from jax.experimental import compute_on as _compute_on_mod
 
-HOST = jax.memory.Space.Host  # jax >= 0.5; pyproject asks for >= 0.6
-DEVICE = jax.memory.Space.Device
+try:
+  # Where a traced array lives, for jax.device_put inside jit. jax.memory.Space comes with
+  # JAX's memory-space types (jax >= 0.7).
+  HOST = jax.memory.Space.Host
+  DEVICE = jax.memory.Space.Device
+except AttributeError:
+  # jax 0.6 names a memory kind inside jit with TransferToMemoryKind, which it exports only
+  # from its private modules; this import is confined to that version.
+  from jax._src.sharding_impls import TransferToMemoryKind
+
+  HOST = TransferToMemoryKind("pinned_host")
+  DEVICE = TransferToMemoryKind("device")
 
 
 def _function_form() -> Callable[..., Any] | None:

@@ -44,16 +44,31 @@ def _memory_kinds(devices) -> set[str]:
 
 
 @functools.cache
-def _host_compute_error(platform: str) -> str | None:
-  """Compiles a one-element host computation once per platform; the error text or None."""
+def _probe(platform: str, mode: str) -> str | None:
+  """Runs a one-element jitted step of ``mode`` once per platform: ``None`` if its results
+  land in the right memories, else what went wrong.
+
+  This catches, before any state is built, backends that cannot compile host computation
+  and JAX versions whose ``jit`` returns arrays placed in host memory inside the step in
+  device memory (which would silently keep the state on the device).
+  """
   try:
     dev = jax.devices(platform)[0]
-    x = jax.device_put(jnp.zeros((1,), jnp.float32),
+    x = jax.device_put(jnp.zeros((2,), jnp.float32),
                        SingleDeviceSharding(dev, memory_kind="pinned_host"))
-    fn = _compat.on_host(lambda a: a + 1, _compat.HOST)
-    jax.jit(fn).lower(x).compile()
-  except Exception as e:  # noqa: BLE001 - any failure means "no host compute here"
+    if mode == "compute":
+      fn = _compat.on_host(lambda a: (a + 1, a + 2), (_compat.DEVICE, _compat.HOST))
+    else:
+      def fn(a):
+        a = jax.device_put(a, _compat.DEVICE)
+        return a + 1, jax.device_put(a + 2, _compat.HOST)
+    up, down = jax.jit(fn)(x)
+    got = (up.sharding.memory_kind, down.sharding.memory_kind)
+  except Exception as e:  # noqa: BLE001 - any failure means "not here"
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+  if got != ("device", "pinned_host") or float(down[0]) != 2.0:
+    return (f"a jitted step returned its results in {got} memory instead of ('device', "
+            f"'pinned_host') with jax {jax.__version__}")
   return None
 
 
@@ -69,14 +84,22 @@ def check_support(mode: str, memory_kind: str, devices=None) -> None:
         f"devices offer only {sorted(kinds)}. Neither mode='compute' nor mode='state' can "
         "work here: use the transform without ak.offload (its state then stays in device "
         "memory).")
+  state_err = _probe(platform, "state")
+  if mode == "state" and state_err is not None:
+    raise RuntimeError(
+        f"ak.offload(mode='state') cannot keep the state in {memory_kind!r} memory on the "
+        f"{platform!r} backend ({state_err}). Neither mode works here; ak.offload is "
+        "verified with jax 0.10 (see the adamkit README).")
   if mode == "compute":
-    err = _host_compute_error(platform)
+    err = _probe(platform, "compute")
     if err is not None:
+      hint = (f"Use mode='state': the state still lives in {memory_kind!r} memory and is "
+              "computed on the device." if state_err is None else
+              "mode='state' does not work here either; ak.offload is verified with jax 0.10.")
       raise RuntimeError(
-          f"ak.offload(mode='compute') runs the update on the host "
-          f"(compute_on('device_host')), which the {platform!r} backend cannot compile "
-          f"({err}). Use mode='state': the state still lives in {memory_kind!r} memory and "
-          "is computed on the device.")
+          "ak.offload(mode='compute') runs the update on the host "
+          f"(compute_on('device_host')), which fails on the {platform!r} backend "
+          f"({err}). {hint}")
 
 
 def _concrete_devices(tree) -> list | None:
@@ -335,14 +358,22 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
     in structure, held in host memory.
 
   Raises:
-    RuntimeError: at ``init`` when the backend has no ``memory_kind`` memory (no mode can
-      work) or, for ``mode="compute"``, cannot compute on the host (``"state"`` can).
+    RuntimeError: at ``init`` when the backend has no ``memory_kind`` memory or this JAX
+      returns arrays placed in host memory inside ``jit`` in device memory (jax < 0.10; no
+      mode can work), or, for ``mode="compute"``, when the backend cannot compute on the
+      host (``"state"`` can); at ``update`` (``"compute"``) for a transform JAX cannot
+      trace on host-resident arrays (global-norm clipping, ``apply_if_finite``, row-sparse
+      gradients), naming ``mode="state"``, which handles them.
+
+  With row-sparse gradients (:class:`adamkit.RowSparse`, e.g. ``ak.sparse_adam``),
+  ``mode="state"`` moves only the touched rows of each table's moments to the device and
+  back; the rest of the table never leaves host memory.
 
   .. warning::
-    MindSpore's ``AdamOffload`` sends only the parameter delta back and keeps its own
-    copy of nothing else; here too the update is all that comes up, but when ``tx`` reads
-    ``params`` (weight decay, ``ak.adam``'s default decay mask excepted when the
-    coefficient is 0) the params are also copied down each step.
+    MindSpore's ``AdamOffload`` sends the gradient down and the parameter delta up. Here
+    too only the update comes up, but when ``tx`` reads ``params`` (weight decay) the
+    params also go down each step (12 bytes per parameter instead of 8); adamkit copies
+    them only if the traced update actually reads them.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, adamkit as ak
