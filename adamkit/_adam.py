@@ -77,6 +77,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     :math:`\beta_1 m_t + (1-\beta_1) g_t` is divided by :math:`1-\beta_1^t`. optax's
     ``nadam`` corrects the two terms with different powers and gives another answer.
 
+  .. warning::
+    ``eps_mode="corrected"`` is optax's formula, but not quite its arithmetic: adamkit
+    forms :math:`1-\beta` and :math:`\beta^t` from the same float32 :math:`\beta`, as the
+    float32 kernels of MindSpore and Paddle do (so the first step is exactly
+    :math:`\alpha\, g/(|g|+\epsilon)`); optax takes :math:`1-\beta` in double precision.
+    When :math:`\beta` is not a float32 number the two differ by up to
+    :math:`|\mathrm{fl}(\beta)-\beta|/(1-\beta)` relative (about 6e-6 for
+    :math:`\beta_2 = 0.999`); for representable betas they agree to float32 rounding.
+
   Args:
     b1: decay of the first moment, in (0, 1).
     b2: decay of the second moment, in (0, 1).
