@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping, Union
+from collections.abc import Callable, Mapping
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp

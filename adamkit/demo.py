@@ -30,7 +30,8 @@ import json
 import pathlib
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,6 @@ import numpy as np
 import optax
 
 import adamkit as ak
-
 
 # ------------------------------------------------------------------------------ data
 

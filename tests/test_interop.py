@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import load_golden
 
 import adamkit as ak
-from conftest import load_golden
 
 B1, B2 = 0.9, 0.999
 

@@ -87,15 +87,13 @@ def test_nnx_optimizer_equals_pure_optax_run_with_flax_mask():
   assert not np.allclose(all_decay["ln"]["scale"], pure["ln"]["scale"], rtol=0, atol=1e-6)
 
 
-def test_nnx_adamax_and_corrected_adam_equal_optax_adam():
+def test_nnx_corrected_adam_equals_optax_adam():
   """ak.adam(eps_mode="corrected") without decay is optax.adam, through nnx too (to float32
   rounding, which five steps through tanh and LayerNorm amplify to about 1e-6)."""
   ours, _ = _train_nnx(ak.adam(0.05, eps_mode="corrected"), steps=5)
   with jax.numpy_dtype_promotion("standard"):  # optax's own code mixes int and float
     theirs, _ = _train_nnx(optax.adam(0.05), steps=5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), ours, theirs)
-  _, losses = _train_nnx(ak.adamax(0.05), steps=5)
-  assert losses[-1] < losses[0]
 
 
 def test_flax_rule_on_nnx_names():
