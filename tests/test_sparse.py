@@ -150,6 +150,27 @@ def test_transform_with_decay_loss_scale_and_mask(lazy, nesterov, eps_mode):
     assert rel_err(params["w"], rw_d, 1.0) < ROUNDING_TOL
 
 
+def test_lazy_matches_torch_sparse_adam():
+  """torch.optim.SparseAdam is the same lazy rule (eps on sqrt(v), global step)."""
+  torch = pytest.importorskip("torch")
+  rng = np.random.default_rng(2)
+  w0 = rng.normal(size=(12, 3)).astype(np.float32)
+  emb = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+  opt = torch.optim.SparseAdam([emb], lr=0.05, betas=(0.8, 0.99), eps=1e-6)
+  tx = ak.sparse_adam(0.05, 0.8, 0.99, 1e-6)
+  params = {"e": jnp.asarray(w0)}
+  state = tx.init(params)
+  for _ in range(3):
+    ids = rng.integers(0, 12, size=7)
+    vals = rng.normal(size=(7, 3)).astype(np.float32)
+    emb.grad = torch.sparse_coo_tensor(torch.from_numpy(ids)[None], torch.from_numpy(vals),
+                                       (12, 3))
+    opt.step()
+    updates, state = tx.update({"e": ak.RowSparse(ids, vals, 12)}, state, params)
+    params = ak.apply_updates(params, updates)
+  np.testing.assert_allclose(np.asarray(params["e"]), emb.detach().numpy(), rtol=0, atol=2e-6)
+
+
 # -------------------------------------------------------------------- properties
 
 N, D = 10, 3
@@ -246,6 +267,21 @@ def test_unique_ids_fast_path_matches_default():
   pa, _ = _run(ak.sparse_adam(0.1, unique_ids=True), w0, g)
   pb, _ = _run(ak.sparse_adam(0.1), w0, g)
   np.testing.assert_array_equal(np.asarray(pa["e"]), np.asarray(pb["e"]))
+
+
+def test_state_dict_names_sparse_moments():
+  params = {"emb": jnp.zeros((N, D)), "w": jnp.zeros(2)}
+  tx = ak.sparse_adam([0.1, 0.2])
+  state = tx.init(params)
+  grads = {"emb": ak.RowSparse(np.array([1, 1]), np.ones((2, D), np.float32), N),
+           "w": jnp.ones(2)}
+  _, state = tx.update(grads, state, params)
+  flat = ak.state_dict(state)
+  assert {"step", "emb.moment1", "emb.moment2", "w.moment1"} <= set(flat)
+  assert flat["emb.moment1"][1, 0] != 0 and flat["emb.moment1"][0, 0] == 0
+  assert float(ak.get_lr(state)) == pytest.approx(0.2)
+  restored = ak.load_state_dict(flat, tx.init(params))
+  np.testing.assert_array_equal(_moments(restored).nu["emb"], _moments(state).nu["emb"])
 
 
 # --------------------------------------------------------------------- bad input
