@@ -233,7 +233,10 @@ def _like(value, old):
   arr = np.asarray(value).astype(old.dtype)
   if arr.shape != old.shape:
     raise ValueError(f"shape {arr.shape} does not match the parameter's {old.shape}")
-  if isinstance(old, jax.Array):
+  # Keep a placement that init chose on purpose (sharded, or host memory); a plain
+  # single-device leaf stays uncommitted so that it can meet sharded params under jit.
+  if isinstance(old, jax.Array) and (len(old.sharding.device_set) > 1 or
+                                     old.sharding.memory_kind not in (None, "device")):
     return jax.device_put(arr, old.sharding)
   return jnp.asarray(arr)
 

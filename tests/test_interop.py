@@ -258,3 +258,23 @@ def test_mindspore_import_into_sparse_and_offloaded_states(make):
   chex.assert_trees_all_equal(imported, state)
   kinds = lambda t: [x.sharding.memory_kind for x in jax.tree.leaves(t)]  # noqa: E731
   assert kinds(imported) == kinds(state)
+
+
+@pytest.mark.parametrize("make", [lambda: ak.adam(0.01), lambda: ak.sparse_adam(0.01)],
+                         ids=["adam", "sparse_adam"])
+def test_import_keeps_the_state_sharding(make):
+  """Moments land with the shardings ``tx.init`` gives them (params sharded on 8 devices)."""
+  mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  params = {"w": jax.device_put(jnp.ones((len(jax.devices()) * 2, 3)), spec)}
+  tx = make()
+  state = tx.init(params)
+  ckpt = _mindspore_layout(state, 0)
+  ckpt["beta1_power"] = np.array([B1 ** 2], np.float32)
+  ckpt["moment1.w"] = np.full(params["w"].shape, 0.5, np.float32)
+  imported = ak.from_mindspore_state(ckpt, params, tx)
+  for new, old in zip(jax.tree.leaves(imported), jax.tree.leaves(state)):
+    assert new.sharding.is_equivalent_to(old.sharding, new.ndim)
+  assert np.asarray(_moments(imported)["w"][0])[3, 1] == 0.5
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), imported, params)
+  assert jax.tree.leaves(updates)[0].shape == params["w"].shape
