@@ -6,7 +6,8 @@ rows. Here that gradient is a :class:`adamkit.RowSparse` and the lazy step costs
 back (in place under ``jax.jit(..., donate_argnums=...)``). Row ids outside ``[0, N)``
 raise a ``ValueError`` outside jit; inside jit they are dropped, as MindSpore's kernels
 do (scatters use ``mode="drop"``, gathers read zeros), and
-:func:`adamkit.check_row_ids` turns them into a ``checkify`` error instead.
+:func:`adamkit.check_row_ids` turns them into a ``checkify`` error instead. Tables may be
+sharded by rows, on meshes with Auto or Explicit axes.
 """
 
 from __future__ import annotations
@@ -362,7 +363,9 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     a row looked up ``c`` times in a batch decays ``c`` times. Inside ``jax.jit``, ids
     outside ``[0, N)`` are dropped, not reported (see :func:`adamkit.check_row_ids`).
     No gradient clipping or parameter groups (use ``optax.chain`` with care: global-norm
-    clipping of an unmerged ``RowSparse`` is not the dense norm).
+    clipping of an unmerged ``RowSparse`` is not the dense norm). Bias correction uses the
+    global step for every row, as MindSpore and ``torch.optim.SparseAdam``; Paddle's CPU
+    row-sparse (``SelectedRows``) kernel uses step ``t + 1`` and gives other numbers.
 
   Examples:
     >>> import jax, jax.numpy as jnp, adamkit as ak
