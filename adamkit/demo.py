@@ -18,6 +18,7 @@ the binary cross-entropy. The hidden model's own cross-entropy is printed as the
 The optimizers (``--optimizers``): ``adam`` (``ak.adam``, MindSpore numerics),
 ``adam_corrected`` (``ak.adam(eps_mode="corrected")``), ``optax_adam`` (``optax.adam``,
 which ``adam_corrected`` must track to float32 rounding), ``adamax`` (``ak.adamax``) and
+``adam_offload`` (``ak.adam_offload``: ``ak.adam`` with its state in host memory) and
 ``sparse_adam`` (``ak.sparse_adam``: lazy Adam on row-sparse embedding gradients).
 """
 
@@ -140,6 +141,9 @@ OPTIMIZERS: dict[str, Entry] = {
     "optax_adam": Entry("optax.adam", lambda lr: optax.adam(lr), strict_promotion_ok=False),
     "adamax": Entry("ak.adamax", lambda lr: ak.adamax(lr)),
 }
+if hasattr(ak, "adam_offload"):
+  OPTIMIZERS["adam_offload"] = Entry("ak.adam_offload (host state)",
+                                     lambda lr: ak.adam_offload(lr))
 if hasattr(ak, "sparse_adam"):
   OPTIMIZERS["sparse_adam"] = Entry("ak.sparse_adam (lazy)", lambda lr: ak.sparse_adam(lr),
                                     sparse=True)
@@ -352,6 +356,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"step 1 = {diff:.1e}; max |train loss difference| over {args.steps} steps = "
           f"{dloss:.1e}\n(float32 rounding only: Adam turns a rounding-sized gradient into a "
           "full step, so the two runs drift slowly apart)")
+  if "adam" in results and "adam_offload" in results:
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
+        jax.tree.leaves(results["adam"]["params"]),
+        jax.tree.leaves(results["adam_offload"]["params"])))
+    print(f"check: ak.adam_offload vs ak.adam (same maths, state in host memory): max |w "
+          f"difference| after {args.steps} steps = {diff:.1e}")
   out.mkdir(parents=True, exist_ok=True)
   summary = {n: {k: v for k, v in r.items() if "params" not in k} for n, r in results.items()}
   (out / "results.json").write_text(json.dumps(summary, indent=1))
