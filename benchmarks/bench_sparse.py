@@ -5,7 +5,10 @@ donated) against ``torch.optim.SparseAdam`` on the same ids and values, and agai
 ``ak.adam`` / ``optax.adam`` step fed the dense (N, D) gradient (gradient already made; only
 the optimizer step and the parameter update are timed). Also the scratch memory XLA reserves
 for the compiled lazy step (``compiled.memory_analysis().temp_size_in_bytes``) next to the
-size of the table.
+size of the table, and a floor: the same k rows scatter-added into three (N, D) arrays with
+no arithmetic, which shows what the memory system alone costs as N grows. The lazy step and
+the floor are timed round-robin over the table sizes, so that load on a shared machine
+affects every size alike.
 
 Run:  python benchmarks/bench_sparse.py [--sizes 100000,1000000,4000000] [--reps 20]
 torch is optional (``pip install adamkit[bench]``); its column is skipped without it.
@@ -48,7 +51,24 @@ def batches(n, k, d, count=4, seed=0):
            rng.normal(size=(k, d)).astype(np.float32)) for _ in range(count)]
 
 
-def bench_ak_sparse(n, d, data, reps):
+def interleaved_ms(runners: dict, reps: int, warmup: int = 3) -> dict:
+  """Median ms of each runner, timed round-robin so that a change in the load of a shared
+  machine hits every table size alike (the ratio across sizes is what matters)."""
+  for run in runners.values():
+    for _ in range(warmup):
+      run()
+  times = {key: [] for key in runners}
+  for _ in range(reps):
+    for key, run in runners.items():
+      t0 = time.perf_counter()
+      run()
+      times[key].append(time.perf_counter() - t0)
+  return {key: 1e3 * statistics.median(t) for key, t in times.items()}
+
+
+def ak_sparse_runner(n, d, data):
+  """A callable doing one jitted lazy step (table and state donated), and the step's
+  scratch memory in bytes."""
   tx = ak.sparse_adam(1e-3)
 
   def step(params, state, ids, vals):
@@ -71,11 +91,10 @@ def bench_ak_sparse(n, d, data, reps):
     jax.block_until_ready(p)
     box[:] = [p, s, j + 1]
 
-  ms = median_ms(run, reps)
-  return ms, temp
+  return run, temp
 
 
-def bench_floor(n, d, data, reps):
+def floor_runner(n, d, data):
   """The memory-system floor: scatter-add the same k rows into three donated (N, D) arrays
   (table, m, v), no Adam arithmetic and no merge of duplicates."""
 
@@ -92,7 +111,7 @@ def bench_floor(n, d, data, reps):
     jax.block_until_ready(arrays)
     box[:] = [arrays, j + 1]
 
-  return median_ms(run, reps)
+  return run
 
 
 def bench_dense(n, d, data, reps, which):
@@ -170,22 +189,28 @@ def main():
         f"torch {f'{torch.__version__} (best of threads {threads})' if torch else 'absent'}; "
         f"{jax.devices()[0].platform} x{len(jax.devices())}; median ms of {args.reps} steps "
         f"({args.dense_reps} for dense)")
+  data = {n: batches(n, k, d) for n in sizes}
+  # 1. the lazy step, all sizes round-robin; 2. the bare scatter floor, likewise
+  lazy = {n: ak_sparse_runner(n, d, data[n]) for n in sizes}
+  temps = {n: lazy[n][1] for n in sizes}
+  lazy_ms = interleaved_ms({n: lazy[n][0] for n in sizes}, args.reps)
+  del lazy
+  gc.collect()
+  floor_ms = interleaved_ms({n: floor_runner(n, d, data[n]) for n in sizes}, args.reps)
+  gc.collect()
+  # 3. torch and the dense steps, one size at a time (they need more memory)
   rows = []
   for n in sizes:
-    data = batches(n, k, d)
-    ak_ms, temp = bench_ak_sparse(n, d, data, args.reps)
-    gc.collect()
-    floor_ms = bench_floor(n, d, data, args.reps)
-    gc.collect()
-    t_ms = bench_torch(n, d, data, args.reps, threads) if torch is not None else float("nan")
+    t_ms = (bench_torch(n, d, data[n], args.reps, threads) if torch is not None
+            else float("nan"))
     gc.collect()
     ak_dense = optax_dense = float("nan")
     if not args.no_dense:
-      ak_dense = bench_dense(n, d, data, args.dense_reps, "ak")
+      ak_dense = bench_dense(n, d, data[n], args.dense_reps, "ak")
       gc.collect()
-      optax_dense = bench_dense(n, d, data, args.dense_reps, "optax")
+      optax_dense = bench_dense(n, d, data[n], args.dense_reps, "optax")
       gc.collect()
-    rows.append((n, ak_ms, t_ms, ak_dense, optax_dense, temp, floor_ms))
+    rows.append((n, lazy_ms[n], t_ms, ak_dense, optax_dense, temps[n], floor_ms[n]))
 
   table_mb = lambda n: n * d * 4 / 2**20  # noqa: E731
   cols = [("rows N", 9), ("ak.sparse_adam lazy", 19), ("torch SparseAdam", 16),
