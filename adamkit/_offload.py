@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from adamkit import _adam, _compat, _validate
+from adamkit import _adam, _compat, _masks, _validate
 from adamkit._sparse_types import RowSparse, is_row_sparse, safe_ids
 
 _MODES = ("compute", "state")
@@ -370,6 +370,15 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
   back; the rest of the table never leaves host memory.
 
   .. warning::
+    Buffer donation: without ``in_shardings`` *and* ``out_shardings``, JAX (0.10) pairs
+    donated inputs with outputs by shape and dtype only, in order, ignoring memory kinds;
+    a host-memory input paired with a device-memory output aborts the process ("PjRtBuffer's
+    memory kind does not match sharding's memory kind"). The usual
+    ``step(params, state, ...) -> (params, state, ...)`` with ``donate_argnums=(0, 1)``
+    pairs correctly. For any other order, or when donating the state but not the params,
+    pass both ``in_shardings`` and ``out_shardings`` (see :func:`offload_shardings`).
+
+  .. warning::
     MindSpore's ``AdamOffload`` sends the gradient down and the parameter delta up. Here
     too only the update comes up, but when ``tx`` reads ``params`` (weight decay) the
     params also go down each step (12 bytes per parameter instead of 8); adamkit copies
@@ -448,9 +457,13 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
 
 
 def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
-                 eps: float = 1e-8, *, mode: str = "compute",
-                 memory_kind: str = "pinned_host", **adam_kwargs
-                 ) -> optax.GradientTransformationExtraArgs:
+                 eps: float = 1e-8, *, eps_mode: str = "hat", nesterov: bool = False,
+                 weight_decay: Any = 0.0,
+                 weight_decay_mask: Any = _masks.MINDSPORE_DEFAULT,
+                 loss_scale: float = 1.0, grad_clip: Any = None,
+                 grad_centralization: bool = False, groups: Any = None,
+                 mu_dtype: Any = None, nonfinite: str = "propagate", mode: str = "compute",
+                 memory_kind: str = "pinned_host") -> optax.GradientTransformationExtraArgs:
   r"""MindSpore ``nn.AdamOffload``: :func:`adamkit.adam` with its state in host memory.
 
   .. math::
@@ -464,10 +477,10 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
   held in host memory; the update comes back to the device-resident parameters.
 
   Args:
-    learning_rate, b1, b2, eps: as :func:`adamkit.adam`.
+    learning_rate, b1, b2, eps, eps_mode, nesterov, weight_decay, weight_decay_mask,
+      loss_scale, grad_clip, grad_centralization, groups, mu_dtype, nonfinite: as
+      :func:`adamkit.adam` (MindSpore's defaults: decay skips ``beta``/``gamma`` names).
     mode, memory_kind: as :func:`adamkit.offload`.
-    **adam_kwargs: any other keyword of :func:`adamkit.adam` (``weight_decay``,
-      ``loss_scale``, ``nesterov``, ``groups``, ...).
 
   Returns:
     ``ak.offload(ak.adam(...), mode=mode, memory_kind=memory_kind)``.
@@ -487,5 +500,9 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015. Reproduces
     MindSpore 2.10 ``nn.AdamOffload`` (the same formula as ``nn.Adam``).
   """
-  return offload(_adam.adam(learning_rate, b1, b2, eps, **adam_kwargs), mode=mode,
-                 memory_kind=memory_kind)
+  tx = _adam.adam(learning_rate, b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov,
+                  weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
+                  loss_scale=loss_scale, grad_clip=grad_clip,
+                  grad_centralization=grad_centralization, groups=groups, mu_dtype=mu_dtype,
+                  nonfinite=nonfinite)
+  return offload(tx, mode=mode, memory_kind=memory_kind)

@@ -176,6 +176,26 @@ def test_extra_args_pass_through():
   assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(u))
 
 
+@needs_host
+def test_inject_hyperparams_and_multisteps_interop():
+  params = make_params()
+  # adam_offload's explicit signature lets optax.inject_hyperparams see every keyword.
+  tx = optax.inject_hyperparams(ak.adam_offload)(learning_rate=0.1, weight_decay=0.01)
+  ref = optax.inject_hyperparams(ak.adam)(learning_rate=0.1, weight_decay=0.01)
+  p, s, rp, rs = copy(params), tx.init(params), params, ref.init(params)
+  for t in range(2):
+    p, s = jit_step(tx)(p, s, jnp.float32(t))
+    rp, rs = jit_step(ref, donate=False)(rp, rs, jnp.float32(t))
+  assert kinds(s.inner_state) == {HOST}  # (inject's own hyperparameters are its business)
+  assert_close_tree(p, rp)
+  # Gradient accumulation: offload the MultiSteps wrapper (mode="state"), not its inside.
+  tx = ak.offload(optax.MultiSteps(ak.adam(0.1), 2).gradient_transformation(), mode="state")
+  with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int and float itself
+    p, s = run_donated(jit_step(tx), copy(params), tx.init(params), steps=2)
+  assert kinds(s) == {HOST}
+  assert not np.allclose(np.asarray(p["conv"]["kernel"]), np.asarray(params["conv"]["kernel"]))
+
+
 # --------------------------------------------------------------------- golden
 
 
