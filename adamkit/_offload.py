@@ -23,7 +23,13 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from adamkit import _adam, _compat, _masks, _validate
-from adamkit._sparse_types import RowSparse, is_row_sparse, safe_ids
+from adamkit._sparse_types import (
+    RowSparse,
+    _explicit_sharding,
+    gather_rows,
+    is_row_sparse,
+    safe_ids,
+)
 
 _MODES = ("compute", "state")
 _HOST_KINDS = ("pinned_host",)
@@ -233,13 +239,23 @@ def _host_gather(table, ids):
   ``N - 1``, whose result :func:`_host_scatter` later drops. (``mode="fill"`` would build a
   device-typed mask next to the host-typed table, which JAX rejects.)
   """
-  return _compat.on_host(lambda t, i: t.at[i].get(mode="clip"), _compat.DEVICE)(table, ids)
+  def gather(t, i):
+    sharding = _explicit_sharding(t)  # explicit meshes: the k rows come out replicated
+    kw = {} if sharding is None else {"out_sharding": NamedSharding(sharding.mesh,
+                                                                    PartitionSpec())}
+    return t.at[i].get(mode="clip", **kw)
+
+  return _compat.on_host(gather, _compat.DEVICE)(table, ids)
 
 
 def _host_scatter(table, ids, rows):
   """``table[ids] = rows`` computed on the host, in place when the state is donated."""
-  return _compat.on_host(lambda t, i, r: t.at[i].set(r.astype(t.dtype), mode="drop"),
-                         _compat.HOST)(table, ids, jax.device_put(rows, _compat.HOST))
+  def scatter(t, i, r):
+    sharding = _explicit_sharding(t)
+    kw = {} if sharding is None else {"out_sharding": sharding}
+    return t.at[i].set(r.astype(t.dtype), mode="drop", **kw)
+
+  return _compat.on_host(scatter, _compat.HOST)(table, ids, jax.device_put(rows, _compat.HOST))
 
 
 def _update_touched_rows(inner, updates, state, params, extra):
@@ -277,8 +293,8 @@ def _update_touched_rows(inner, updates, state, params, extra):
   if params is not None:
     p_flat, p_def = jax.tree_util.tree_flatten_with_path(params)
     reduced_params = p_def.unflatten([
-        p.at[tables[tuple(path)][0]].get(mode="fill", fill_value=0)
-        if tuple(path) in tables else p for path, p in p_flat])
+        gather_rows(p, tables[tuple(path)][0]) if tuple(path) in tables else p
+        for path, p in p_flat])
 
   def table_of(path, leaf):
     """The sparse table a state leaf mirrors, or None."""

@@ -416,6 +416,36 @@ def test_sparse_adam_state_in_host_memory(lazy):
                                   mu0[untouched])
 
 
+@needs_host
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["auto", "explicit"])
+def test_sparse_adam_sharded_table(axis_type):
+  mesh = Mesh(np.array(jax.devices()[:8]), ("x",), axis_types=(axis_type,))
+  row_sharded = NamedSharding(mesh, P("x", None))
+  params = {"emb": jax.device_put(jnp.linspace(-1.0, 1.0, N_ROWS * ROW, dtype=jnp.float32)
+                                  .reshape(N_ROWS, ROW), row_sharded)}
+  tx, ref = ak.offload(ak.sparse_adam(0.05), mode="state"), ak.sparse_adam(0.05)
+
+  def step_with(t):
+    def step(params, state, ids):
+      grads = {"emb": ak.RowSparse(ids, jnp.ones((ids.shape[0], ROW), jnp.float32), N_ROWS)}
+      updates, state = t.update(grads, state, params)
+      return ak.apply_updates(params, updates), state
+    return step
+
+  p, s = copy(params), tx.init(params)
+  rp, rs = params, ref.init(params)
+  for ids in ([1, 1, 40, 63], [2, 40, 9, 9]):
+    ids = jnp.array(ids, jnp.int32)
+    p, s = jax.jit(step_with(tx), donate_argnums=(0, 1))(p, s, ids)
+    rp, rs = jax.jit(step_with(ref))(rp, rs, ids)
+  mu = adam_sparse_moments(s).mu["emb"]
+  assert mu.sharding.memory_kind == HOST
+  assert mu.sharding.is_equivalent_to(row_sharded.with_memory_kind(HOST), 2)
+  assert_close_tree(p, rp, rtol=0, atol=0)
+  assert_close_tree(s, rs, rtol=0, atol=0)
+
+
 def adam_sparse_moments(state):
   is_sparse = lambda x: isinstance(x, ak.ScaleBySparseAdamState)  # noqa: E731
   return next(n for n in jax.tree.leaves(state, is_leaf=is_sparse) if is_sparse(n))
