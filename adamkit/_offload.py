@@ -176,12 +176,11 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
   _validate.check_choice("memory_kind", memory_kind, _HOST_KINDS)
   if shardings is None:
     shardings = jax.tree.map(lambda p: getattr(p, "sharding", None), params)
-  p_flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  s_flat = jax.tree.leaves(shardings, is_leaf=lambda s: s is None)
-  if len(s_flat) != len(p_flat):
-    raise ValueError(
-        f"`shardings` must match the params tree: {len(s_flat)} shardings for "
-        f"{len(p_flat)} params.")
+  p_flat, p_def = jax.tree_util.tree_flatten_with_path(params)
+  try:  # "up to" the params' leaves: a leaf position may hold None (no sharding known)
+    s_flat = p_def.flatten_up_to(shardings)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"`shardings` must have the params' tree structure: {e}") from None
   entries = []
   for (path, p), s in zip(p_flat, s_flat):
     if s is None:
