@@ -14,7 +14,7 @@ from jax.experimental import compute_on as _compute_on_mod
 
 try:
   # Where a traced array lives, for jax.device_put inside jit. jax.memory.Space comes with
-  # JAX's memory-space types (jax >= 0.7).
+  # JAX's memory-space types (jax >= 0.7; checked on 0.7.2 - 0.10.2).
   HOST = jax.memory.Space.Host
   DEVICE = jax.memory.Space.Device
 except AttributeError:
@@ -29,10 +29,12 @@ except AttributeError:
 def _function_form() -> Callable[..., Any] | None:
   """The function form of ``compute_on`` if this JAX has one, else ``None``.
 
-  * jax 0.6 - 0.10: ``compute_on(compute_type)`` is a context manager only; the
-    function form, with explicit output memory spaces, is ``compute_on2`` where it exists.
-  * jax >= 0.11: ``compute_on`` itself is the function form (it takes
-    ``out_memory_spaces``).
+  * jax 0.6 - 0.9: ``compute_on(compute_type)`` is a context manager only (checked on
+    0.6.2, 0.7.2, 0.8.3, 0.9.2).
+  * jax 0.10: the context manager, plus the function form ``compute_on2(f, *,
+    compute_type, out_memory_spaces)`` (checked on 0.10.2; used).
+  * jax >= 0.11: ``compute_on`` itself becomes the function form; recognised by its
+    ``out_memory_spaces`` parameter (not available here to run).
   """
   fn = getattr(_compute_on_mod, "compute_on", None)
   if fn is not None:

@@ -363,6 +363,13 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
   ``jax.jit(step, donate_argnums=(0, 1))`` needs no sharding arguments. ``update`` also
   accepts a state found elsewhere (a restored checkpoint) and moves it.
 
+  With row-sparse gradients (:class:`adamkit.RowSparse`, e.g. ``ak.sparse_adam``),
+  ``mode="state"`` moves only the touched rows of each table's moments to the device and
+  back; the rest of the table never leaves host memory. To accumulate gradients, offload
+  the accumulator (``ak.offload(optax.MultiSteps(tx, k).gradient_transformation(),
+  mode="state")``), not the other way round: ``optax.MultiSteps``'s ``lax.cond`` mixes the
+  offloaded scalars with device ones, which JAX rejects.
+
   Args:
     tx: any ``optax.GradientTransformation`` (adamkit or optax).
     mode: ``"compute"`` (MindSpore ``AdamOffload``) or ``"state"``.
@@ -379,10 +386,6 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
       host (``"state"`` can); at ``update`` (``"compute"``) for a transform JAX cannot
       trace on host-resident arrays (global-norm clipping, ``apply_if_finite``, row-sparse
       gradients), naming ``mode="state"``, which handles them.
-
-  With row-sparse gradients (:class:`adamkit.RowSparse`, e.g. ``ak.sparse_adam``),
-  ``mode="state"`` moves only the touched rows of each table's moments to the device and
-  back; the rest of the table never leaves host memory.
 
   .. warning::
     Buffer donation: without ``in_shardings`` *and* ``out_shardings``, JAX (0.10) pairs
@@ -414,6 +417,11 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
     (Array([ 0.9, -1.9], dtype=float32), 'device')
     >>> {x.sharding.memory_kind for x in jax.tree.leaves(state)}
     {'pinned_host'}
+
+  References:
+    MindSpore 2.10 ``nn.AdamOffload`` (the ``"compute"`` mode); Ren et al., "ZeRO-Offload:
+    Democratizing Billion-Scale Model Training", USENIX ATC 2021; JAX's "Memories and
+    host offloading" guide (the ``"state"`` mode).
   """
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(
