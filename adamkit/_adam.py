@@ -15,7 +15,7 @@ from adamkit._links import compute_dtype
 class ScaleByAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
   mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
-  nu: optax.Updates  # second moment, params' shapes and dtype
+  nu: optax.Updates  # second moment, params' shapes, ``nu_dtype`` or the params' dtype
 
 
 def tree_map_multi(fn, n_out: int, tree, *rest):
@@ -54,7 +54,7 @@ def adam_direction(g, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                   eps_mode: str = "hat", nesterov: bool = False,
-                  mu_dtype: Any = None) -> optax.GradientTransformation:
+                  mu_dtype: Any = None, nu_dtype: Any = None) -> optax.GradientTransformation:
   r"""Rescales updates by Adam's moment estimates (no learning rate, no decay).
 
   .. math::
@@ -94,6 +94,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     nesterov: use the Nesterov numerator.
     mu_dtype: dtype of the first moment (e.g. ``jnp.bfloat16`` to halve its memory);
       default: the params' dtype. The arithmetic is always float32 or wider.
+    nu_dtype: dtype of the second moment, likewise (``jnp.bfloat16`` keeps its 8-bit
+      exponent, so :math:`g^2` neither under- nor overflows as it would in float16).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleByAdamState`.
@@ -114,11 +116,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("nesterov", nesterov)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 
   def init_fn(params):
     _validate.check_float_params(params)
     mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)
-    nu = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+    nu = jax.tree.map(lambda p: jnp.zeros(p.shape, nu_dtype or p.dtype), params)
     return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):
@@ -146,7 +149,7 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
          weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
          loss_scale: float = 1.0, grad_clip: _links.GradClip = None,
          grad_centralization: bool = False, groups=None, mu_dtype: Any = None,
-         nonfinite: str = "propagate") -> optax.GradientTransformation:
+         nu_dtype: Any = None, nonfinite: str = "propagate") -> optax.GradientTransformation:
   r"""Adam with MindSpore's and Paddle's options, as a chain of primitives.
 
   .. math::
@@ -163,7 +166,7 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
   Args:
     learning_rate: a number >= 0, a 0-d array, a 1-D array or iterable (step ``i`` uses
       element ``i``, later steps the last), or a schedule ``count -> lr``.
-    b1, b2, eps, eps_mode, nesterov, mu_dtype: see :func:`scale_by_adam`.
+    b1, b2, eps, eps_mode, nesterov, mu_dtype, nu_dtype: see :func:`scale_by_adam`.
     weight_decay: L2 coefficient (number >= 0 or schedule), or ``ak.L1Decay(c)`` /
       ``ak.L2Decay(c)``. Coupled: added to the gradient, not decoupled as in AdamW.
     weight_decay_mask: which leaves decay. Default: every leaf whose path does not
@@ -202,7 +205,8 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
   _validate.check_bool("grad_centralization", grad_centralization)
 
   def direction(b1, b2, eps):
-    return scale_by_adam(b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov, mu_dtype=mu_dtype)
+    return scale_by_adam(b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov, mu_dtype=mu_dtype,
+                         nu_dtype=nu_dtype)
 
   return _groups.build_named(
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),

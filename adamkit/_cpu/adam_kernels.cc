@@ -1,0 +1,165 @@
+// One-pass CPU kernels for the Adam and AdaMax steps, called through jax.ffi.
+//
+// XLA:CPU emits an Adam step as three loops (m, v, then the parameters), about 40 bytes of
+// memory traffic per float32 parameter. These kernels read p, g, m, v once and write p, m,
+// v once (28 bytes), in place (the outputs alias the inputs), split over XLA's intra-op
+// thread pool. The arithmetic mirrors adamkit's reference formulas operation by operation
+// (the scalars, including reciprocals XLA would form, are computed by the caller in JAX).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Scalars, float32, in this order (computed in JAX):
+//   0 b1, 1 1-b1, 2 b2, 3 1-b2, 4 eps, 5 lr, 6 wd, 7 c1, 8 c2
+// Adam, eps_mode "hat":        u = c1 * n / (sqrt(v) + eps)          c1 = sqrt(bc2)/bc1
+// Adam, eps_mode "corrected":  u = (n * c1) / (sqrt(v * c2) + eps)   c1 = 1/bc1, c2 = 1/bc2
+// AdaMax:                      u = m / (bc1 * (v + eps))             c1 = bc1
+enum Kind : int64_t { kAdamHat = 0, kAdamCorrected = 1, kAdamax = 2 };
+
+template <int64_t kind, bool nesterov, bool decay>
+void Chunk(float* __restrict p, float* __restrict m, float* __restrict v,
+           const float* __restrict g, const float* s, int64_t lo, int64_t hi) {
+  const float b1 = s[0], omb1 = s[1], b2 = s[2], omb2 = s[3], eps = s[4], lr = s[5],
+              wd = s[6], c1 = s[7], c2 = s[8];
+  for (int64_t i = lo; i < hi; ++i) {
+    float gi = g[i];
+    if (decay) gi = gi + wd * p[i];
+    float mi = b1 * m[i] + omb1 * gi;
+    float vi;
+    float u;
+    if (kind == kAdamax) {
+      vi = std::max(b2 * v[i], std::fabs(gi));
+      u = mi / (c1 * (vi + eps));
+    } else {
+      vi = b2 * v[i] + omb2 * (gi * gi);
+      float n = nesterov ? b1 * mi + omb1 * gi : mi;
+      if (kind == kAdamHat) {
+        u = c1 * n / (std::sqrt(vi) + eps);
+      } else {
+        u = (n * c1) / (std::sqrt(vi * c2) + eps);
+      }
+    }
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] + (-lr * u);
+  }
+}
+
+using ChunkFn = void (*)(float*, float*, float*, const float*, const float*, int64_t, int64_t);
+
+template <int64_t kind>
+ChunkFn Pick(bool nesterov, bool decay) {
+  if (nesterov) return decay ? Chunk<kind, true, true> : Chunk<kind, true, false>;
+  return decay ? Chunk<kind, false, true> : Chunk<kind, false, false>;
+}
+
+struct Leaf {
+  float* p;
+  float* m;
+  float* v;
+  const float* g;
+  int64_t n;
+};
+
+// Runs `fn` over the global element range [lo, hi) of the concatenated leaves.
+void RunRange(ChunkFn fn, const std::vector<Leaf>& leaves, const float* s, int64_t lo,
+              int64_t hi) {
+  int64_t base = 0;
+  for (const Leaf& l : leaves) {
+    int64_t a = std::max(lo, base), b = std::min(hi, base + l.n);
+    if (a < b) fn(l.p, l.m, l.v, l.g, s, a - base, b - base);
+    base += l.n;
+    if (base >= hi) break;
+  }
+}
+
+// Arguments: scalars (f32[9]), then L params, L first moments, L second moments, L
+// gradients (float32, any shape, leaf i of each group the same size). Results: L params,
+// L first moments, L second moments, aliased to the inputs when the caller donates them.
+ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::RemainingArgs args,
+                ffi::RemainingRets rets, int64_t kind, bool nesterov, bool decay) {
+  if (scalars.element_count() != 9) {
+    return ffi::Error::InvalidArgument("adamkit cpu step: expected 9 scalars");
+  }
+  if (args.size() % 4 != 0 || rets.size() * 4 != args.size() * 3) {
+    return ffi::Error::InvalidArgument("adamkit cpu step: expected 4L arguments, 3L results");
+  }
+  const size_t num = args.size() / 4;
+  std::vector<Leaf> leaves(num);
+  int64_t total = 0;
+  for (size_t i = 0; i < num; ++i) {
+    float* out[3];
+    const float* in[4];
+    for (size_t k = 0; k < 4; ++k) {
+      auto b = args.get<ffi::Buffer<ffi::F32>>(k * num + i);
+      if (b.has_error()) return b.error();
+      in[k] = b->typed_data();
+      if (k == 0) leaves[i].n = static_cast<int64_t>(b->element_count());
+      if (static_cast<int64_t>(b->element_count()) != leaves[i].n) {
+        return ffi::Error::InvalidArgument("adamkit cpu step: leaf sizes differ");
+      }
+    }
+    for (size_t k = 0; k < 3; ++k) {
+      auto r = rets.get<ffi::Buffer<ffi::F32>>(k * num + i);
+      if (r.has_error()) return r.error();
+      out[k] = (*r)->typed_data();
+      // Without donation the results are fresh buffers: start from the inputs.
+      if (out[k] != in[k]) std::copy_n(in[k], leaves[i].n, out[k]);
+    }
+    leaves[i].p = out[0];
+    leaves[i].m = out[1];
+    leaves[i].v = out[2];
+    leaves[i].g = in[3];
+    total += leaves[i].n;
+  }
+  ChunkFn fn = kind == kAdamHat ? Pick<kAdamHat>(nesterov, decay)
+             : kind == kAdamCorrected ? Pick<kAdamCorrected>(nesterov, decay)
+                                      : Pick<kAdamax>(nesterov, decay);
+  const float* s = scalars.typed_data();
+
+  // Small steps run on the calling thread: scheduling costs more than it saves.
+  constexpr int64_t kMinPerTask = 1 << 16;
+  const int64_t tasks =
+      std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), total / kMinPerTask);
+  if (tasks <= 1) {
+    RunRange(fn, leaves, s, 0, total);
+    return ffi::Error::Success();
+  }
+  // Equal ranges of the concatenated leaves, cut on 16-float (cache-line) boundaries;
+  // the calling thread runs the first, the pool the others.
+  auto bound = [&](int64_t t) {
+    return t == tasks ? total : ((total / tasks) * t) & ~int64_t{15};
+  };
+  std::atomic<int64_t> pending{tasks - 1};
+  for (int64_t t = 1; t < tasks; ++t) {
+    const int64_t lo = bound(t), hi = bound(t + 1);
+    pool.Schedule([fn, &leaves, s, lo, hi, &pending] {
+      RunRange(fn, leaves, s, lo, hi);
+      pending.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  RunRange(fn, leaves, s, 0, bound(1));
+  while (pending.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStep, Step,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("decay"));

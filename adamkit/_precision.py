@@ -1,0 +1,156 @@
+"""Mixed precision: float32 master weights for low-precision params, float32 hyperparameters.
+
+* :func:`master_weights` (Paddle ``multi_precision=True``): bf16/fp16 params keep a float32
+  copy in the optimizer state; the inner optimizer sees float32 gradients and the float32
+  copy, and the params follow the copy.
+* :func:`inject_hyperparams`: ``optax.inject_hyperparams`` with the hyperparameters kept in
+  float32 whatever the params' dtype (optax casts them to the params' dtype, and bf16 rounds
+  ``b2 = 0.999`` to ``1.0``: Adam's second moment then never forgets).
+* Low-precision moments are options of the primitives: ``scale_by_adam(mu_dtype=...,
+  nu_dtype=...)`` and the named optimizers that wrap it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from adamkit import _validate
+
+
+class MasterWeightsState(NamedTuple):
+  master: optax.Params  # float32 copy of each low-precision leaf; float32/64 leaves: None
+  inner: optax.OptState  # the wrapped optimizer's state, built on the float32 tree
+
+
+def _is_low(leaf) -> bool:
+  return leaf is not None and jnp.finfo(leaf.dtype).bits < 32
+
+
+def master_weights(tx: optax.GradientTransformation, *,
+                   master_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+  r"""Keeps a float32 master copy of low-precision params and updates it in float32.
+
+  For each leaf with fewer than 32 bits (bf16, fp16):
+
+  .. math::
+
+    \hat w &\leftarrow \text{master copy (float32) of } w \\
+    u, s &\leftarrow \mathrm{tx.update}(\mathrm{f32}(g), s, \hat w) \\
+    \hat w &\leftarrow \hat w + u \\
+    \Delta &= \mathrm{f32}(\mathrm{cast}(\hat w)) - \mathrm{f32}(w) \quad\text{returned, in the
+      param's dtype}
+
+  so ``optax.apply_updates(params, updates)`` gives the master cast to the param's dtype
+  (exactly whenever a weight changes by less than a factor of two in one step, the ordinary
+  case; otherwise within one unit in the last place of the low-precision type). float32 and
+  float64 leaves pass straight through to ``tx``. The inner state is built on the float32
+  tree, so Adam's moments are float32 unless ``tx`` asks otherwise (``mu_dtype``).
+
+  .. warning::
+    Paddle's ``multi_precision`` writes the cast master into the param in place; under the
+    optax protocol the params move by the returned updates instead, and the master copy in
+    the state is the source of truth: a param overwritten outside the optimizer is ignored
+    (the master is re-read from the params only at ``init``).
+
+  Args:
+    tx: any optax transformation (e.g. ``ak.adam(...)``).
+    master_dtype: dtype of the master copy (float32).
+
+  Returns:
+    An ``optax.GradientTransformation`` with state :class:`MasterWeightsState`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, adamkit as ak
+    >>> tx = ak.master_weights(ak.adam(1e-4))
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> for _ in range(10):  # 1e-4 steps vanish in bf16 (spacing 2**-7 at 1.0) ...
+    ...   updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> state.master["w"]  # ... but accumulate in the float32 master
+    Array([0.999, 0.999], dtype=float32)
+
+  References:
+    Micikevicius et al., "Mixed Precision Training", ICLR 2018. Reproduces PaddlePaddle
+    ``optimizer.Adam(multi_precision=True)``.
+  """
+  master_dtype = jnp.dtype(master_dtype)
+
+  def to_master(p):
+    return p.astype(master_dtype) if _is_low(p) else None
+
+  def full(master, params):
+    return jax.tree.map(lambda m, p: p if m is None else m, master, params,
+                        is_leaf=lambda x: x is None)
+
+  def init_fn(params):
+    _validate.check_float_params(params)
+    master = jax.tree.map(to_master, params)
+    return MasterWeightsState(master=master, inner=tx.init(full(master, params)))
+
+  def update_fn(updates, state, params=None, **extra):
+    if params is None:
+      raise ValueError("master_weights needs `params`: call `update(grads, state, params)`.")
+    _validate.check_matching_trees(updates, params)
+    full_params = full(state.master, params)
+    grads32 = jax.tree.map(lambda g, m: g if m is None else g.astype(master_dtype), updates,
+                           state.master, is_leaf=lambda x: x is None)
+    inner_upd, inner = tx.update(grads32, state.inner, full_params, **extra)
+
+    def step(u, m, p):
+      if m is None:
+        return u, None
+      new_master = (m + u.astype(master_dtype)).astype(master_dtype)
+      delta = new_master.astype(p.dtype).astype(master_dtype) - p.astype(master_dtype)
+      return delta.astype(p.dtype), new_master
+
+    out = jax.tree.map(step, inner_upd, state.master, params, is_leaf=lambda x: x is None)
+    treedef = jax.tree.structure(params)
+    pairs = treedef.flatten_up_to(out)
+    new_updates = treedef.unflatten([a for a, _ in pairs])
+    master = treedef.unflatten([b for _, b in pairs])
+    return new_updates, MasterWeightsState(master=master, inner=inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def inject_hyperparams(inner_factory: Callable[..., optax.GradientTransformation],
+                       static_args: str | tuple[str, ...] = (), *,
+                       hyperparam_dtype: Any = jnp.float32
+                       ) -> Callable[..., optax.GradientTransformation]:
+  r"""``optax.inject_hyperparams`` with float32 hyperparameters by default.
+
+  .. math::
+
+    \theta_t = \mathrm{f32}(h(t)) \quad\text{for every numeric or scheduled hyperparameter}
+
+  optax stores injected hyperparameters in the params' dtype when ``hyperparam_dtype`` is
+  not given: with bf16 params, ``b2=0.999`` becomes ``1.0`` and ``eps=1e-8`` stays but
+  ``b1=0.9`` becomes ``0.8984375``. adamkit's transforms compute bias corrections and
+  moment decays in float32, so the hyperparameters must reach them in float32 too.
+
+  .. warning::
+    Differs from ``optax.inject_hyperparams`` only in the default of ``hyperparam_dtype``.
+
+  Args:
+    inner_factory: a function returning a transformation, e.g. ``ak.adam``.
+    static_args: names of arguments that are not hyperparameters (strings, bools).
+    hyperparam_dtype: dtype of the injected values (float32).
+
+  Returns:
+    The wrapped factory; its state has a ``hyperparams`` dict, as optax's.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> tx = ak.inject_hyperparams(ak.adam, static_args=("eps_mode",))(
+    ...     learning_rate=1e-3, b2=0.999, eps_mode="corrected")
+    >>> state = tx.init({"w": jnp.ones(3, jnp.bfloat16)})
+    >>> state.hyperparams["b2"]
+    Array(0.999, dtype=float32)
+  """
+  return optax.inject_hyperparams(inner_factory, static_args=static_args,
+                                  hyperparam_dtype=jnp.dtype(hyperparam_dtype))

@@ -1,0 +1,195 @@
+"""The fused step (ak.fused_adam / ak.fused_adamax) against the reference chain.
+
+Reference: the named optimizer's ``update`` followed by ``optax.apply_updates`` (itself
+checked against float64 NumPy in test_reference.py), plus one direct float64 NumPy check
+per algorithm. Both backends: the pure-JAX path always, the C++ kernel where it can be
+built (it is compiled into a temporary directory when missing; skipped without a compiler).
+"""
+
+import numpy as np
+import optax
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import adamkit as ak
+from adamkit import _fused
+
+from reference import NumpyAdam
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+  """Makes the compiled kernel available for this module, building it if needed."""
+  if not ak.cpu_kernel_available():
+    out = tmp_path_factory.mktemp("kernel") / "libadamkit_cpu.so"
+    try:
+      ak.build_cpu_kernel(out)
+    except RuntimeError as e:
+      pytest.skip(f"cannot build the CPU kernel here: {e}")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ADAMKIT_CPU_KERNEL", str(out))
+    _fused._registered = None
+    assert ak.cpu_kernel_available()
+    yield
+    mp.undo()
+  else:
+    yield
+
+
+def make_params(seed=0, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  shapes = {"conv": (4, 3, 2), "dense": {"kernel": (6, 5), "bias": (5,)}, "bn": {"gamma": (3,)},
+            "scalar": ()}
+  return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), dtype), shapes,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def grads_like(params, seed):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
+
+
+def run_reference(tx, params, steps=STEPS):
+  state = tx.init(params)
+  for t in range(steps):
+    updates, state = tx.update(grads_like(params, 100 + t), state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def run_fused(opt, params, steps=STEPS, donate=True):
+  step = jax.jit(opt.step, donate_argnums=(1, 2) if donate else ())
+  state = opt.init(params)
+  params = jax.tree.map(jnp.copy, params)
+  for t in range(steps):
+    params, state = step(grads_like(params, 100 + t), state, params)
+  return params, state
+
+
+SCHEDULE = optax.linear_schedule(0.1, 0.01, 3)
+CASES = [
+    ("adam", dict()),
+    ("adam", dict(eps_mode="corrected")),
+    ("adam", dict(nesterov=True)),
+    ("adam", dict(eps_mode="corrected", nesterov=True, weight_decay=0.1)),
+    ("adam", dict(weight_decay=0.05, weight_decay_mask=None)),
+    ("adam", dict(learning_rate=SCHEDULE, weight_decay=lambda c: 0.01 * (c.astype(jnp.float32) + 1.0))),
+    ("adam", dict(b1=0.8, b2=0.95, eps=1e-3)),
+    ("adamax", dict()),
+    ("adamax", dict(weight_decay=0.05)),
+    ("adamax", dict(learning_rate=SCHEDULE, b1=0.8, b2=0.95, eps=1e-3)),
+]
+NAMED = {"adam": (ak.adam, ak.fused_adam), "adamax": (ak.adamax, ak.fused_adamax)}
+
+
+def assert_close(actual, expected, rtol=2e-6, atol=1e-7):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    assert a.dtype == e.dtype and a.shape == e.shape
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64),
+                               rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("algo,kw", CASES)
+@pytest.mark.parametrize("backend,multi_tensor",
+                         [("xla", True), ("kernel", True), ("kernel", False)])
+def test_fused_equals_reference_chain(kernel, algo, kw, backend, multi_tensor):
+  kw = dict(kw)
+  lr = kw.pop("learning_rate", 0.1)
+  named, fused = NAMED[algo]
+  params = make_params()
+  expected = run_reference(named(lr, **kw), params)
+  actual, state = run_fused(fused(lr, **kw, backend=backend, multi_tensor=multi_tensor), params)
+  assert_close(actual, expected)
+  assert int(state.count) == STEPS
+  # The step moved the params: the comparison is not between two unchanged trees.
+  assert float(jnp.max(jnp.abs(actual["conv"] - params["conv"]))) > 1e-2
+
+
+@pytest.mark.parametrize("algo", ["adam", "adamax"])
+def test_kernel_against_float64_numpy(kernel, algo):
+  params = make_params(1)
+  kw = dict(eps_mode="corrected") if algo == "adam" else {}
+  ref = NumpyAdam(0.05, 0.9, 0.999, 1e-8, weight_decay=0.01, algo=algo,
+                  decay=lambda name: "gamma" not in name, **kw)
+  named = {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  np_params = {k: np.asarray(v) for k, v in named.items()}
+  for t in range(STEPS):
+    grads = grads_like(params, 100 + t)
+    g_named = dict(zip(named, jax.tree.leaves(grads)))
+    np_params = ref.step(np_params, {k: np.asarray(v) for k, v in g_named.items()})
+  opt = NAMED[algo][1](0.05, weight_decay=0.01, backend="kernel", **kw)
+  actual, _ = run_fused(opt, params)
+  for k, leaf in zip(named, jax.tree.leaves(actual)):
+    np.testing.assert_allclose(np.asarray(leaf, np.float64), np_params[k], rtol=1e-5, atol=1e-6)
+
+
+def test_without_donation_inputs_are_untouched(kernel):
+  params = make_params()
+  opt = ak.fused_adam(0.1, backend="kernel")
+  state = opt.init(params)
+  before = jax.tree.map(np.array, (params, state))
+  new_params, new_state = jax.jit(opt.step)(grads_like(params, 0), state, params)
+  for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  assert not np.allclose(np.asarray(new_params["conv"]), before[0]["conv"])
+  assert float(jnp.max(jnp.abs(new_state.nu["conv"]))) > 0
+
+
+def test_mixed_dtypes_take_the_jax_path_for_low_precision_leaves(kernel):
+  params = make_params()
+  params["dense"]["kernel"] = params["dense"]["kernel"].astype(jnp.bfloat16)
+  expected = run_reference(ak.adam(0.1), params)
+  actual, state = run_fused(ak.fused_adam(0.1), params)
+  assert actual["dense"]["kernel"].dtype == jnp.bfloat16
+  assert state.mu["dense"]["kernel"].dtype == jnp.bfloat16
+  assert_close(actual, expected, rtol=1e-2, atol=1e-2)  # bf16 leaf: bf16 rounding
+  assert_close(actual["conv"], expected["conv"])
+
+
+def test_low_precision_moments_match_the_chain():
+  params = make_params()
+  kw = dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, eps_mode="corrected")
+  expected = run_reference(ak.adam(0.1, **kw), params)
+  actual, state = run_fused(ak.fused_adam(0.1, **kw), params)
+  assert state.mu["conv"].dtype == jnp.bfloat16 and state.nu["conv"].dtype == jnp.bfloat16
+  assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_backend_without_kernel_is_pure_jax(monkeypatch):
+  monkeypatch.setattr(_fused, "_registered", False)
+  params = make_params()
+  opt = ak.fused_adam(0.1)
+  hlo = jax.jit(opt.step).lower(grads_like(params, 0), opt.init(params), params).as_text()
+  assert "adamkit_cpu_step" not in hlo
+  assert_close(run_fused(opt, params)[0], run_reference(ak.adam(0.1), params))
+  with pytest.raises(RuntimeError, match="not built"):
+    ak.fused_adam(0.1, backend="kernel").step(grads_like(params, 0), opt.init(params), params)
+
+
+def test_multi_tensor_is_one_kernel_call(kernel):
+  params = make_params()
+  grads, count = grads_like(params, 0), {}
+  for mt in (True, False):
+    opt = ak.fused_adam(0.1, backend="kernel", multi_tensor=mt, weight_decay_mask=None,
+                        weight_decay=0.1)
+    hlo = jax.jit(opt.step).lower(grads, opt.init(params), params).as_text()
+    count[mt] = hlo.count("adamkit_cpu_step")
+  assert count[True] == 1 and count[False] == len(jax.tree.leaves(params))
+
+
+def test_bad_arguments():
+  params = make_params()
+  opt = ak.fused_adam()
+  with pytest.raises(ValueError, match="does not match"):
+    opt.step({"conv": params["conv"]}, opt.init(params), params)
+  with pytest.raises(ValueError, match="backend"):
+    ak.fused_adam(backend="gpu")
+  with pytest.raises(ValueError, match="b2"):
+    ak.fused_adamax(b2=1.0)
+  with pytest.raises(TypeError, match="integer|dtype"):
+    opt.init({"w": jnp.arange(3)})
