@@ -58,21 +58,27 @@ def _probe(platform: str, mode: str) -> str | None:
   and JAX versions whose ``jit`` returns arrays placed in host memory inside the step in
   device memory (which would silently keep the state on the device).
   """
+  # Runs eagerly even when first reached while tracing (an init under jit): concrete
+  # arrays and an AOT-compiled call never join the trace.
   try:
-    dev = jax.devices(platform)[0]
-    x = jax.device_put(jnp.zeros((2,), jnp.float32),
-                       SingleDeviceSharding(dev, memory_kind="pinned_host"))
-    if mode == "compute":
-      fn = _compat.on_host(lambda a: (a + 1, a + 2), (_compat.DEVICE, _compat.HOST))
-    else:
-      def fn(a):
-        a = jax.device_put(a, _compat.DEVICE)
-        return a + 1, jax.device_put(a + 2, _compat.HOST)
-    up, down = jax.jit(fn)(x)
-    got = (up.sharding.memory_kind, down.sharding.memory_kind)
+    with jax.ensure_compile_time_eval():
+      dev = jax.devices(platform)[0]
+      x = jax.device_put(np.zeros((2,), np.float32),
+                         SingleDeviceSharding(dev, memory_kind="pinned_host"))
+      if mode == "compute":
+        fn = _compat.on_host(lambda a: (a + 1, a + 2), (_compat.DEVICE, _compat.HOST))
+      else:
+        def fn(a):
+          a = jax.device_put(a, _compat.DEVICE)
+          return a + 1, jax.device_put(a + 2, _compat.HOST)
+      up, down = jax.jit(fn).lower(x).compile()(x)
+      got = (up.sharding.memory_kind, down.sharding.memory_kind)
+      values = (np.asarray(up).tolist(), np.asarray(down).tolist())
   except Exception as e:  # noqa: BLE001 - any failure means "not here"
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-  if got != ("device", "pinned_host") or float(down[0]) != 2.0:
+  if values != ([1.0, 1.0], [2.0, 2.0]):
+    return f"a jitted step computed {values} instead of ([1, 1], [2, 2])"
+  if got != ("device", "pinned_host"):
     return (f"a jitted step returned its results in {got} memory instead of ('device', "
             f"'pinned_host') with jax {jax.__version__}")
   return None
