@@ -202,12 +202,13 @@ def test_inject_hyperparams_and_multisteps_interop():
 
 
 @needs_host
-def test_golden_ms_adam_weight_decay_through_adam_offload():
+@pytest.mark.parametrize("mode", MODES)
+def test_golden_ms_adam_weight_decay_through_adam_offload(mode):
   """MindSpore AdamOffload and Adam share a formula: replay nn.Adam's trajectory."""
   cfg, d = load_golden("ms_adam_weight_decay")
   names = cfg["params"]
   params = {n: jnp.asarray(d[f"init/{n}"]) for n in names}
-  tx = ak.adam_offload(**cfg["kwargs"])  # learning_rate=0.01, weight_decay=0.05
+  tx = ak.adam_offload(**cfg["kwargs"], mode=mode)  # learning_rate=0.01, weight_decay=0.05
 
   @jax.jit
   def step(params, state, grads):
@@ -456,12 +457,10 @@ def adam_sparse_moments(state):
 @needs_host
 def test_compute_mode_reads_params_only_when_needed():
   params = make_params()
-  state_args = []
   for tx, want in ((ak.adam(0.1), False), (ak.adam(0.1, weight_decay=0.1), True)):
     st = tx.init(params)
     fn = lambda u, s, p, e, tx=tx: tx.update(u, s, p)  # noqa: E731
     assert _offload._reads_params(fn, params, st, params, {}) is want
-    state_args.append(st)
 
 
 # ---------------------------------------------------------------------- errors
