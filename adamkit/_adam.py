@@ -120,8 +120,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
   def init_fn(params):
     _validate.check_float_params(params)
-    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)
-    nu = jax.tree.map(lambda p: jnp.zeros(p.shape, nu_dtype or p.dtype), params)
+    # zeros_like keeps each param's sharding (and memory kind): no moment lands on one
+    # device first.
+    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
+    nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
     return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):

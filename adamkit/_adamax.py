@@ -66,8 +66,9 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
   def init_fn(params):
     _validate.check_float_params(params)
     # Two separate trees: one buffer shared by mu and nu cannot be donated to jax.jit.
-    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
-    nu = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+    # zeros_like keeps each param's sharding.
+    mu = jax.tree.map(jnp.zeros_like, params)
+    nu = jax.tree.map(jnp.zeros_like, params)
     return ScaleByAdamaxState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):

@@ -75,6 +75,8 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 def path_name(path) -> str:
   """A dotted name for a pytree path: ``{'bn1': {'gamma': x}}`` -> ``'bn1.gamma'``."""
   parts = []
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+    path = path[:-1]  # Flax NNX variables hold their array in `.value`: name the variable
   for k in path:
     if isinstance(k, jax.tree_util.DictKey):
       parts.append(str(k.key))

@@ -113,3 +113,11 @@ def test_flax_rule_on_nnx_names():
   # MindSpore's default rule looks for 'beta'/'gamma', which Flax names never contain.
   ms = nnx.to_pure_dict(ak.masks.mindspore_rule().mask(params))
   assert all(jax.tree.leaves(ms))
+
+
+def test_glob_rules_match_nnx_variable_names():
+  # path names drop NNX's trailing `.value`, so glob rules see `fc.kernel`
+  state = {"fc": {"kernel": nnx.Param(jnp.ones((2, 2))), "bias": nnx.Param(jnp.ones(2))}}
+  mask = ak.masks.match_names("*.kernel").mask(state)
+  flat = jax.tree.leaves(mask)
+  assert sorted(flat) == [False, True]

@@ -186,6 +186,9 @@ def test_sharded_params_over_8_devices(name):
   sharded = jax.device_put(params, shardings)
   tx = REGISTRY[name](0.01)
   state = tx.init(sharded)
+  # moments are born with their param's sharding, not on one device
+  born = [x for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (4, 2, 3, 3)]
+  assert born and all(x.sharding.is_equivalent_to(shardings["conv"]["weight"], 4) for x in born)
 
   @jax.jit
   def step(params, state, grads):
