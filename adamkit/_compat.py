@@ -1,4 +1,4 @@
-"""Small shims over JAX APIs that moved between the versions adamkit supports (jax >= 0.6).
+"""Small shims over JAX APIs that moved between the versions adamkit supports (jax >= 0.10).
 
 Only what :mod:`adamkit._offload` needs lives here; each shim names the versions it bridges.
 """
@@ -12,18 +12,11 @@ from typing import Any
 import jax
 from jax.experimental import compute_on as _compute_on_mod
 
-try:
-  # Where a traced array lives, for jax.device_put inside jit. jax.memory.Space comes with
-  # JAX's memory-space types (jax >= 0.7; checked on 0.7.2 - 0.10.2).
-  HOST = jax.memory.Space.Host
-  DEVICE = jax.memory.Space.Device
-except AttributeError:
-  # jax 0.6 names a memory kind inside jit with TransferToMemoryKind, which it exports only
-  # from its private modules; this import is confined to that version.
-  from jax._src.sharding_impls import TransferToMemoryKind
-
-  HOST = TransferToMemoryKind("pinned_host")
-  DEVICE = TransferToMemoryKind("device")
+# Where a traced array lives, for jax.device_put inside jit (jax.memory.Space: jax >= 0.7;
+# adamkit requires jax >= 0.10, the first release whose jit keeps host-placed outputs in
+# host memory on CPU).
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
 
 
 def _function_form() -> Callable[..., Any] | None:
