@@ -43,6 +43,9 @@ from adamkit._sparse_types import RowSparse
 # --- offload (issue 4) ---
 from adamkit._offload import adam_offload, offload, offload_shardings, offload_state
 # --- speed (issue 5) ---
+from adamkit._fused import (FusedAdamState, FusedStep, build_cpu_kernel,
+                            cpu_kernel_available, fused_adam, fused_adamax)
+from adamkit._precision import MasterWeightsState, inject_hyperparams, master_weights
 # --- users (issue 6) ---
 from adamkit._interop import from_mindspore_state, from_paddle_state
 
@@ -53,6 +56,9 @@ __all__ = [
     "GatheredRows", "RowSparse", "ScaleBySparseAdamState", "apply_updates", "check_row_ids",
     "fused_sparse_adam", "fused_sparse_lazy_adam", "lookup", "scale_by_sparse_adam",
     "sparse_adam", "sparse_grad", "value_and_sparse_grad",
+    # speed (issue 5)
+    "FusedAdamState", "FusedStep", "build_cpu_kernel", "cpu_kernel_available", "fused_adam",
+    "fused_adamax", "MasterWeightsState", "inject_hyperparams", "master_weights",
     "AddDecayState",
     "ClipGradByGlobalNorm",
     "ClipGradByNorm",

@@ -71,8 +71,10 @@ def master_weights(tx: optax.GradientTransformation, *,
     >>> for _ in range(10):  # 1e-4 steps vanish in bf16 (spacing 2**-7 at 1.0) ...
     ...   updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
     ...   params = optax.apply_updates(params, updates)
-    >>> state.master["w"]  # ... but accumulate in the float32 master
-    Array([0.999, 0.999], dtype=float32)
+    >>> print(f"{float(state.master['w'][0]):.4f}")  # ... but add up in the float32 master
+    0.9990
+    >>> params["w"]  # 1 - 1e-3 rounds back to 1.0 in bf16
+    Array([1, 1], dtype=bfloat16)
 
   References:
     Micikevicius et al., "Mixed Precision Training", ICLR 2018. Reproduces PaddlePaddle

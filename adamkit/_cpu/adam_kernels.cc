@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -127,28 +128,43 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
   const float* s = scalars.typed_data();
 
   // Small steps run on the calling thread: scheduling costs more than it saves.
-  constexpr int64_t kMinPerTask = 1 << 16;
-  const int64_t tasks =
-      std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), total / kMinPerTask);
-  if (tasks <= 1) {
+  constexpr int64_t kMinPerChunk = 1 << 16;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (threads <= 1 || total < 2 * kMinPerChunk) {
     RunRange(fn, leaves, s, 0, total);
     return ffi::Error::Success();
   }
-  // Equal ranges of the concatenated leaves, cut on 16-float (cache-line) boundaries;
-  // the calling thread runs the first, the pool the others.
-  auto bound = [&](int64_t t) {
-    return t == tasks ? total : ((total / tasks) * t) & ~int64_t{15};
+  // Chunks of the concatenated leaves (cut on 16-float cache-line boundaries) are claimed
+  // from a shared counter by the calling thread and by helpers scheduled on XLA's pool. The
+  // caller waits only for chunks already claimed, which are running: a helper that starts
+  // late (the pool busy, e.g. with another call of this kernel) finds no work and returns,
+  // so the kernel cannot deadlock on its own pool. The shared state lives on the heap
+  // because a helper may start after the call has returned.
+  struct Work {
+    std::vector<Leaf> leaves;
+    ChunkFn fn;
+    const float* s;
+    int64_t total, chunk, chunks;
+    std::atomic<int64_t> next{0}, done{0};
   };
-  std::atomic<int64_t> pending{tasks - 1};
-  for (int64_t t = 1; t < tasks; ++t) {
-    const int64_t lo = bound(t), hi = bound(t + 1);
-    pool.Schedule([fn, &leaves, s, lo, hi, &pending] {
-      RunRange(fn, leaves, s, lo, hi);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
+  auto work = std::make_shared<Work>();
+  work->leaves = std::move(leaves);
+  work->fn = fn;
+  work->s = s;
+  work->total = total;
+  work->chunk = std::max<int64_t>(kMinPerChunk, (total / (4 * threads)) & ~int64_t{15});
+  work->chunks = (total + work->chunk - 1) / work->chunk;
+  auto drain = [](Work& w) {
+    for (int64_t c; (c = w.next.fetch_add(1, std::memory_order_relaxed)) < w.chunks;) {
+      RunRange(w.fn, w.leaves, w.s, c * w.chunk, std::min(w.total, (c + 1) * w.chunk));
+      w.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t) {
+    pool.Schedule([work, drain] { drain(*work); });
   }
-  RunRange(fn, leaves, s, 0, bound(1));
-  while (pending.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  drain(*work);
+  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
