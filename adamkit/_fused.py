@@ -16,8 +16,13 @@ state)`` that computes decay, moments, direction, learning rate and the new para
   leaf by leaf (XLA fuses each leaf's step; concatenating leaves costs more than it saves).
 
 The reference is the named optimizer: for the options it accepts,
-``fused_adam(...).step(g, s, p)[0]`` equals ``optax.apply_updates(p, adam(...).update(g, s2,
+``fused_adam(...).step(p, s, g)[0]`` equals ``optax.apply_updates(p, adam(...).update(g, s2,
 p)[0])`` to float32 rounding; the tests check every option on both backends.
+
+The argument order ``step(params, state, grads) -> (params, state)`` puts the donated inputs
+in the order of the outputs: ``jax.jit`` pairs donated buffers with outputs of the same shape
+in order, and a mismatch (say params paired with a first moment) makes XLA copy every
+buffer before the kernel runs, a whole extra pass.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ _KERNEL_SOURCE = _KERNEL_DIR / "adam_kernels.cc"
 _KERNEL_NAME = "libadamkit_cpu.so"
 _TARGET = "adamkit_cpu_step"
 _KIND = {"hat": 0, "corrected": 1, "adamax": 2}
+_LEAVES_PER_CALL = 32
 
 
 class FusedAdamState(NamedTuple):
@@ -52,12 +58,12 @@ class FusedAdamState(NamedTuple):
 
 
 class FusedStep(NamedTuple):
-  """A fused optimizer: ``init(params) -> state`` and ``step(grads, state, params) ->
-  (params, state)``. Jit ``step`` with ``donate_argnums`` for state and params: the kernel
-  then updates them in place."""
+  """A fused optimizer: ``init(params) -> state`` and ``step(params, state, grads) ->
+  (params, state)``. Jit ``step`` with ``donate_argnums=(0, 1)``: the kernel then updates
+  params and state in place."""
 
   init: Callable[[optax.Params], FusedAdamState]
-  step: Callable[[optax.Updates, FusedAdamState, optax.Params],
+  step: Callable[[optax.Params, FusedAdamState, optax.Updates],
                  tuple[optax.Params, FusedAdamState]]
 
 
@@ -159,7 +165,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     nu = jax.tree.map(lambda p: jnp.zeros(p.shape, nu_dtype or p.dtype), params)
     return FusedAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
-  def step_fn(grads, state, params):
+  def step_fn(params, state, grads):
     _validate.check_matching_trees(grads, params)
     _validate.check_matching_trees(state.nu, params, what="optimizer state")
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
@@ -195,8 +201,15 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       else:
         c1, c2 = bc1, jnp.float32(1.0)
       scalars = jnp.stack([b1_, 1.0 - b1_, b2_, 1.0 - b2_, eps_, lr, wd, c1, c2])
-      batches = ([[i for i in on_kernel if k_l[i]], [i for i in on_kernel if not k_l[i]]]
-                 if multi_tensor else [[i] for i in on_kernel])
+      if multi_tensor:
+        # XLA's compile time grows faster than linearly in one call's operand count, so
+        # very many leaves go in calls of _LEAVES_PER_CALL (still one launch per call).
+        batches = []
+        for decayed in (True, False):
+          same = [i for i in on_kernel if bool(k_l[i]) == decayed]
+          batches += [same[j:j + _LEAVES_PER_CALL] for j in range(0, len(same), _LEAVES_PER_CALL)]
+      else:
+        batches = [[i] for i in on_kernel]
       for batch in batches:
         if not batch:
           continue
@@ -253,8 +266,8 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
 
   The same numbers as ``optax.apply_updates(params, adam(...).update(...)[0])`` with the
   same options, computed in one pass: on CPU by a C++ kernel through ``jax.ffi`` when it is
-  built (:func:`build_cpu_kernel`), else by plain JAX. Jit ``step`` with ``donate_argnums``
-  for params and state so the kernel works in place.
+  built (:func:`build_cpu_kernel`), else by plain JAX. Jit ``step(params, state, grads)``
+  with ``donate_argnums=(0, 1)`` so the kernel works in place.
 
   .. warning::
     Not an ``optax.GradientTransformation``: ``step`` returns the new params, because the
@@ -279,8 +292,8 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     >>> import jax, jax.numpy as jnp, adamkit as ak
     >>> opt = ak.fused_adam(0.1, eps_mode="corrected")
     >>> params = {"w": jnp.array([1.0, -2.0])}
-    >>> step = jax.jit(opt.step, donate_argnums=(1, 2))
-    >>> params, state = step({"w": jnp.array([2.0, -4.0])}, opt.init(params), params)
+    >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
+    >>> params, state = step(params, opt.init(params), {"w": jnp.array([2.0, -4.0])})
     >>> params["w"]
     Array([ 0.9, -1.9], dtype=float32)
 
@@ -319,7 +332,7 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
     >>> import jax.numpy as jnp, adamkit as ak
     >>> opt = ak.fused_adamax(0.1)
     >>> params = {"w": jnp.array([1.0, -2.0])}
-    >>> params, state = opt.step({"w": jnp.array([3.0, -1.0])}, opt.init(params), params)
+    >>> params, state = opt.step(params, opt.init(params), {"w": jnp.array([3.0, -1.0])})
     >>> params["w"]
     Array([ 0.9, -1.9], dtype=float32)
   """

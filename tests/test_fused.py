@@ -62,11 +62,11 @@ def run_reference(tx, params, steps=STEPS):
 
 
 def run_fused(opt, params, steps=STEPS, donate=True):
-  step = jax.jit(opt.step, donate_argnums=(1, 2) if donate else ())
+  step = jax.jit(opt.step, donate_argnums=(0, 1) if donate else ())
   state = opt.init(params)
   params = jax.tree.map(jnp.copy, params)
   for t in range(steps):
-    params, state = step(grads_like(params, 100 + t), state, params)
+    params, state = step(params, state, grads_like(params, 100 + t))
   return params, state
 
 
@@ -133,7 +133,7 @@ def test_without_donation_inputs_are_untouched(kernel):
   opt = ak.fused_adam(0.1, backend="kernel")
   state = opt.init(params)
   before = jax.tree.map(np.array, (params, state))
-  new_params, new_state = jax.jit(opt.step)(grads_like(params, 0), state, params)
+  new_params, new_state = jax.jit(opt.step)(params, state, grads_like(params, 0))
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(before)):
     np.testing.assert_array_equal(np.asarray(a), b)
   assert not np.allclose(np.asarray(new_params["conv"]), before[0]["conv"])
@@ -164,11 +164,11 @@ def test_auto_backend_without_kernel_is_pure_jax(monkeypatch):
   monkeypatch.setattr(_fused, "_registered", False)
   params = make_params()
   opt = ak.fused_adam(0.1)
-  hlo = jax.jit(opt.step).lower(grads_like(params, 0), opt.init(params), params).as_text()
+  hlo = jax.jit(opt.step).lower(params, opt.init(params), grads_like(params, 0)).as_text()
   assert "adamkit_cpu_step" not in hlo
   assert_close(run_fused(opt, params)[0], run_reference(ak.adam(0.1), params))
   with pytest.raises(RuntimeError, match="not built"):
-    ak.fused_adam(0.1, backend="kernel").step(grads_like(params, 0), opt.init(params), params)
+    ak.fused_adam(0.1, backend="kernel").step(params, opt.init(params), grads_like(params, 0))
 
 
 def test_multi_tensor_is_one_kernel_call(kernel):
@@ -177,16 +177,25 @@ def test_multi_tensor_is_one_kernel_call(kernel):
   for mt in (True, False):
     opt = ak.fused_adam(0.1, backend="kernel", multi_tensor=mt, weight_decay_mask=None,
                         weight_decay=0.1)
-    hlo = jax.jit(opt.step).lower(grads, opt.init(params), params).as_text()
+    hlo = jax.jit(opt.step, donate_argnums=(0, 1)).lower(params, opt.init(params), grads).as_text()
     count[mt] = hlo.count("adamkit_cpu_step")
   assert count[True] == 1 and count[False] == len(jax.tree.leaves(params))
+
+
+def test_donated_step_updates_in_place(kernel):
+  """With donate_argnums=(0, 1) XLA aliases each kernel result to its input: no copies."""
+  params = make_params()
+  opt = ak.fused_adam(0.1, backend="kernel")
+  compiled = jax.jit(opt.step, donate_argnums=(0, 1)).lower(
+      params, opt.init(params), grads_like(params, 0)).compile()
+  assert " copy(" not in compiled.as_text()
 
 
 def test_bad_arguments():
   params = make_params()
   opt = ak.fused_adam()
   with pytest.raises(ValueError, match="does not match"):
-    opt.step({"conv": params["conv"]}, opt.init(params), params)
+    opt.step(params, opt.init(params), {"conv": params["conv"]})
   with pytest.raises(ValueError, match="backend"):
     ak.fused_adam(backend="gpu")
   with pytest.raises(ValueError, match="b2"):
