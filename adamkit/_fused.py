@@ -37,6 +37,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 
@@ -53,8 +54,12 @@ _LEAVES_PER_CALL = 32
 
 class FusedAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
-  mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
-  nu: optax.Updates  # second moment (AdaMax: infinity norm), ``nu_dtype`` or params' dtype
+  # First and second moment (AdaMax: infinity norm), ``mu_dtype``/``nu_dtype`` or the
+  # params' dtype. Per leaf: trees of the params' shapes. Multi-tensor: a dict
+  # {dtype name: 1-D buffer} holding the leaves of that moment dtype back to back, in the
+  # params' tree order.
+  mu: Any
+  nu: Any
 
 
 class FusedStep(NamedTuple):
@@ -130,15 +135,34 @@ def _on_cpu(tree) -> bool:
   return jax.default_backend() == "cpu"
 
 
-def _kernel_call(kind: str, nesterov: bool, decay: bool, scalars, ps, ms, vs, gs):
-  """One kernel call over a list of float32 leaves; results alias the inputs."""
+def _kernel_call(kind: str, nesterov: bool, decay: bool, offset: int, scalars, ps, gs, m, v):
+  """One kernel call: params ``ps`` and grads ``gs`` (float32 leaves) and the moment buffers
+  ``m``, ``v`` holding those leaves back to back from element ``offset``."""
   n = len(ps)
-  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ps + ms + vs]
-  aliases = {1 + i: i for i in range(3 * n)}
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ps + [m, v]]
+  aliases = {1 + i: i for i in range(n)}
+  aliases.update({1 + 2 * n: n, 2 + 2 * n: n + 1})
   call = jax.ffi.ffi_call(_TARGET, shapes, input_output_aliases=aliases)
-  out = call(scalars, *ps, *ms, *vs, *gs, kind=np.int64(_KIND[kind]), nesterov=bool(nesterov),
-             decay=bool(decay))
-  return list(out[:n]), list(out[n:2 * n]), list(out[2 * n:])
+  out = call(scalars, *ps, *gs, m, v, kind=np.int64(_KIND[kind]), nesterov=bool(nesterov),
+             decay=bool(decay), offset=np.int64(offset))
+  return list(out[:n]), out[n], out[n + 1]
+
+
+class _Slot(NamedTuple):
+  """Where a leaf's moments live: ``buffer`` key (None: the leaf's own arrays), offset."""
+  buffer: str | None
+  offset: int
+
+
+def _flat_layout(leaves, dtype_of) -> tuple[list[_Slot], dict[str, int]]:
+  """Multi-tensor layout: leaves of one moment dtype back to back, in tree order."""
+  sizes: dict[str, int] = {}
+  slots = []
+  for leaf in leaves:
+    key = jnp.dtype(dtype_of(leaf)).name
+    slots.append(_Slot(key, sizes.get(key, 0)))
+    sizes[key] = sizes.get(key, 0) + int(np.prod(leaf.shape))
+  return slots, sizes
 
 
 # --------------------------------------------------------------------- the fused step
@@ -158,38 +182,60 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
   kind = "adamax" if algo == "adamax" else eps_mode
+  mu_of = lambda p: mu_dtype or p.dtype  # noqa: E731
+  nu_of = lambda p: nu_dtype or p.dtype  # noqa: E731
 
   def init_fn(params):
     _validate.check_float_params(params)
-    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype or p.dtype), params)
-    nu = jax.tree.map(lambda p: jnp.zeros(p.shape, nu_dtype or p.dtype), params)
+    if multi_tensor:
+      leaves = jax.tree.leaves(params)
+      mu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, mu_of)[1].items()}
+      nu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, nu_of)[1].items()}
+    else:
+      mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_of(p)), params)
+      nu = jax.tree.map(lambda p: jnp.zeros(p.shape, nu_of(p)), params)
     return FusedAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def step_fn(params, state, grads):
     _validate.check_matching_trees(grads, params)
-    _validate.check_matching_trees(state.nu, params, what="optimizer state")
+    leaves, treedef = jax.tree.flatten(params)
+    g_l = treedef.flatten_up_to(grads)
+    if multi_tensor:
+      m_slots, m_sizes = _flat_layout(leaves, mu_of)
+      v_slots, v_sizes = _flat_layout(leaves, nu_of)
+      for name, sizes, bufs in (("mu", m_sizes, state.mu), ("nu", v_sizes, state.nu)):
+        got = {k: tuple(b.shape) for k, b in dict(bufs).items()}
+        if got != {k: (n,) for k, n in sizes.items()}:
+          raise ValueError(f"The multi-tensor state's {name} buffers {got} do not match the "
+                           f"params (expected {sizes}): was the state made by this optimizer "
+                           "for these params?")
+      mu, nu = dict(state.mu), dict(state.nu)
+      m_l = [lax.slice(mu[s.buffer], (s.offset,), (s.offset + p.size,)).reshape(p.shape)
+             for s, p in zip(m_slots, leaves)]
+      v_l = [lax.slice(nu[s.buffer], (s.offset,), (s.offset + p.size,)).reshape(p.shape)
+             for s, p in zip(v_slots, leaves)]
+    else:
+      _validate.check_matching_trees(state.nu, params, what="optimizer state")
+      m_l = treedef.flatten_up_to(state.mu)
+      v_l = treedef.flatten_up_to(state.nu)
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
     wd = _schedules.scalar_or_schedule(weight_decay, state.count)
     count = optax.safe_increment(state.count)
     bc1, bc2 = _adam.bias_corrections(b1, b2, count)
     b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
     keep = _masks.resolve_mask(weight_decay_mask, params) if decays else None
-
-    leaves, treedef = jax.tree.flatten(params)
-    g_l = treedef.flatten_up_to(grads)
-    m_l = treedef.flatten_up_to(state.mu)
-    v_l = treedef.flatten_up_to(state.nu)
-    k_l = treedef.flatten_up_to(keep) if decays else [False] * len(leaves)
+    k_l = [bool(k) for k in treedef.flatten_up_to(keep)] if decays else [False] * len(leaves)
     new_p, new_m, new_v = list(leaves), list(m_l), list(v_l)
 
     def is_f32(i):
-      return all(x.dtype == jnp.float32 for x in (leaves[i], g_l[i], m_l[i], v_l[i]))
+      same = not multi_tensor or m_slots[i].offset == v_slots[i].offset  # one offset/call
+      return same and all(x.dtype == jnp.float32 for x in (leaves[i], g_l[i], m_l[i], v_l[i]))
 
-    use_kernel = backend == "kernel" or (backend == "auto" and _on_cpu(params)
-                                         and cpu_kernel_available())
     if backend == "kernel" and not cpu_kernel_available():
       raise RuntimeError("backend='kernel' but the adamkit CPU kernel is not built: run "
                          "`python -m adamkit._fused` (see adamkit.build_cpu_kernel).")
+    use_kernel = backend == "kernel" or (backend == "auto" and _on_cpu(params)
+                                         and cpu_kernel_available())
     on_kernel = [i for i in range(len(leaves)) if use_kernel and is_f32(i)]
     if on_kernel:
       # The scalars in the reference's own arithmetic: XLA turns x / c into x * (1 / c)
@@ -202,26 +248,31 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
         c1, c2 = bc1, jnp.float32(1.0)
       scalars = jnp.stack([b1_, 1.0 - b1_, b2_, 1.0 - b2_, eps_, lr, wd, c1, c2])
       if multi_tensor:
-        # XLA's compile time grows faster than linearly in one call's operand count, so
-        # very many leaves go in calls of _LEAVES_PER_CALL (still one launch per call).
-        batches = []
-        for decayed in (True, False):
-          same = [i for i in on_kernel if bool(k_l[i]) == decayed]
-          batches += [same[j:j + _LEAVES_PER_CALL] for j in range(0, len(same), _LEAVES_PER_CALL)]
+        # Runs of consecutive float32 leaves with one decay flag, at most _LEAVES_PER_CALL
+        # each (XLA's compile time grows faster than linearly in a call's operand count).
+        # Each call updates its stretch of the flat moments in place.
+        runs, run = [], []
+        for i in on_kernel:
+          if run and (i != run[-1] + 1 or k_l[i] != k_l[run[0]] or len(run) == _LEAVES_PER_CALL):
+            runs.append(run)
+            run = []
+          run.append(i)
+        runs.append(run)
+        key = m_slots[on_kernel[0]].buffer  # "float32" for both moments
+        for run in runs:
+          p_o, mu[key], nu[key] = _kernel_call(
+              kind, nesterov, k_l[run[0]], m_slots[run[0]].offset, scalars,
+              [leaves[i] for i in run], [g_l[i] for i in run], mu[key], nu[key])
+          for j, i in enumerate(run):
+            new_p[i] = p_o[j]
       else:
-        batches = [[i] for i in on_kernel]
-      for batch in batches:
-        if not batch:
-          continue
-        p_o, m_o, v_o = _kernel_call(kind, nesterov, bool(k_l[batch[0]]), scalars,
-                                     [leaves[i] for i in batch], [m_l[i] for i in batch],
-                                     [v_l[i] for i in batch], [g_l[i] for i in batch])
-        for j, i in enumerate(batch):
-          new_p[i], new_m[i], new_v[i] = p_o[j], m_o[j], v_o[j]
+        for i in on_kernel:
+          (new_p[i],), new_m[i], new_v[i] = _kernel_call(
+              kind, nesterov, k_l[i], 0, scalars, [leaves[i]], [g_l[i]], m_l[i], v_l[i])
 
     done = set(on_kernel)
     for i, (p, g, m, v) in enumerate(zip(leaves, g_l, m_l, v_l)):
-      if i in done or p is None:
+      if i in done:
         continue
       if k_l[i]:
         g = g + (wd * p.astype(jnp.float32)).astype(g.dtype)
@@ -241,9 +292,17 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       step = (-lr * u.astype(_adam.compute_dtype(u))).astype(u.dtype)
       new_p[i] = (p + step).astype(p.dtype)
       new_m[i], new_v[i] = m2.astype(m.dtype), v2.astype(v.dtype)
+      if multi_tensor:  # write back into the flat buffers, in place
+        ms, vs = m_slots[i], v_slots[i]
+        mu[ms.buffer] = lax.dynamic_update_slice(mu[ms.buffer], new_m[i].ravel(), (ms.offset,))
+        nu[vs.buffer] = lax.dynamic_update_slice(nu[vs.buffer], new_v[i].ravel(), (vs.offset,))
 
-    return treedef.unflatten(new_p), FusedAdamState(
-        count=count, mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
+    if multi_tensor:
+      new_state = FusedAdamState(count=count, mu=mu, nu=nu)
+    else:
+      new_state = FusedAdamState(count=count, mu=treedef.unflatten(new_m),
+                                 nu=treedef.unflatten(new_v))
+    return treedef.unflatten(new_p), new_state
 
   return FusedStep(init_fn, step_fn)
 

@@ -163,7 +163,8 @@ def many_leaves(algo: str, reps: int, kernel: bool):
   for name, tx in (base, chain):
     fn, runners[name] = optax_runner(tx, params, grads)
     compiles[name] = compile_seconds(fn, params, tx.init(params), grads)
-  variants = [("ak.fused (pure JAX)", dict(backend="xla"))]
+  variants = [("ak.fused (pure JAX, per leaf)", dict(backend="xla", multi_tensor=False)),
+              ("ak.fused (pure JAX, multi-tensor)", dict(backend="xla", multi_tensor=True))]
   if kernel:
     variants += [("ak.fused (kernel, per leaf)", dict(backend="kernel", multi_tensor=False)),
                  ("ak.fused (kernel, multi-tensor)", dict(backend="kernel", multi_tensor=True))]

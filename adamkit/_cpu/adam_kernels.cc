@@ -83,44 +83,53 @@ void RunRange(ChunkFn fn, const std::vector<Leaf>& leaves, const float* s, int64
   }
 }
 
-// Arguments: scalars (f32[9]), then L params, L first moments, L second moments, L
-// gradients (float32, any shape, leaf i of each group the same size). Results: L params,
-// L first moments, L second moments, aliased to the inputs when the caller donates them.
+// Arguments: scalars (f32[9]), then L params and L gradients (float32, any shape), then
+// the first and second moments, each one flat float32 buffer in which the L leaves lie
+// back to back from element `offset` (multi-tensor mode; one leaf: its own moments, offset
+// 0). Results: the L params and the two moment buffers, aliased to the inputs when the
+// caller donates them (otherwise fresh buffers, filled from the inputs first).
 ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::RemainingArgs args,
-                ffi::RemainingRets rets, int64_t kind, bool nesterov, bool decay) {
+                ffi::RemainingRets rets, int64_t kind, bool nesterov, bool decay,
+                int64_t offset) {
   if (scalars.element_count() != 9) {
     return ffi::Error::InvalidArgument("adamkit cpu step: expected 9 scalars");
   }
-  if (args.size() % 4 != 0 || rets.size() * 4 != args.size() * 3) {
-    return ffi::Error::InvalidArgument("adamkit cpu step: expected 4L arguments, 3L results");
+  if (args.size() < 4 || args.size() % 2 != 0 || rets.size() != args.size() / 2 + 1) {
+    return ffi::Error::InvalidArgument("adamkit cpu step: expected 2L+2 arguments, L+2 results");
   }
-  const size_t num = args.size() / 4;
+  const size_t num = (args.size() - 2) / 2;
+  float* moments[2];
+  int64_t moment_size = 0;
+  for (size_t k = 0; k < 2; ++k) {
+    auto in = args.get<ffi::Buffer<ffi::F32>>(2 * num + k);
+    auto out = rets.get<ffi::Buffer<ffi::F32>>(num + k);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    moment_size = static_cast<int64_t>(in->element_count());
+    moments[k] = (*out)->typed_data();
+    if (moments[k] != in->typed_data()) std::copy_n(in->typed_data(), moment_size, moments[k]);
+  }
   std::vector<Leaf> leaves(num);
   int64_t total = 0;
   for (size_t i = 0; i < num; ++i) {
-    float* out[3];
-    const float* in[4];
-    for (size_t k = 0; k < 4; ++k) {
-      auto b = args.get<ffi::Buffer<ffi::F32>>(k * num + i);
-      if (b.has_error()) return b.error();
-      in[k] = b->typed_data();
-      if (k == 0) leaves[i].n = static_cast<int64_t>(b->element_count());
-      if (static_cast<int64_t>(b->element_count()) != leaves[i].n) {
-        return ffi::Error::InvalidArgument("adamkit cpu step: leaf sizes differ");
-      }
+    auto p = args.get<ffi::Buffer<ffi::F32>>(i);
+    auto g = args.get<ffi::Buffer<ffi::F32>>(num + i);
+    auto p_out = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (p.has_error()) return p.error();
+    if (g.has_error()) return g.error();
+    if (p_out.has_error()) return p_out.error();
+    const int64_t n = static_cast<int64_t>(p->element_count());
+    if (static_cast<int64_t>(g->element_count()) != n) {
+      return ffi::Error::InvalidArgument("adamkit cpu step: a gradient differs from its param");
     }
-    for (size_t k = 0; k < 3; ++k) {
-      auto r = rets.get<ffi::Buffer<ffi::F32>>(k * num + i);
-      if (r.has_error()) return r.error();
-      out[k] = (*r)->typed_data();
-      // Without donation the results are fresh buffers: start from the inputs.
-      if (out[k] != in[k]) std::copy_n(in[k], leaves[i].n, out[k]);
+    if (offset + total + n > moment_size) {
+      return ffi::Error::InvalidArgument("adamkit cpu step: moment buffers too small");
     }
-    leaves[i].p = out[0];
-    leaves[i].m = out[1];
-    leaves[i].v = out[2];
-    leaves[i].g = in[3];
-    total += leaves[i].n;
+    float* po = (*p_out)->typed_data();
+    if (po != p->typed_data()) std::copy_n(p->typed_data(), n, po);
+    leaves[i] = Leaf{po, moments[0] + offset + total, moments[1] + offset + total,
+                     g->typed_data(), n};
+    total += n;
   }
   ChunkFn fn = kind == kAdamHat ? Pick<kAdamHat>(nesterov, decay)
              : kind == kAdamCorrected ? Pick<kAdamCorrected>(nesterov, decay)
@@ -178,4 +187,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStep, Step,
                                   .RemainingRets()
                                   .Attr<int64_t>("kind")
                                   .Attr<bool>("nesterov")
-                                  .Attr<bool>("decay"));
+                                  .Attr<bool>("decay")
+                                  .Attr<int64_t>("offset"));
