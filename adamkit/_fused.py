@@ -36,13 +36,14 @@ import pathlib
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import optax
+from jax import lax
 
 from adamkit import _adam, _masks, _schedules, _validate
 from adamkit._adamax import adamax_direction

@@ -225,7 +225,7 @@ def main(argv=None):
   for algo in ("adam", "adamax"):
     baseline = f"optax.{algo}"
     for n in sizes:
-      reps = 5 if args.quick else (31 if n <= 2_000_000 else 15 if n <= 20_000_000 else 7)
+      reps = 5 if args.quick else (31 if n <= 2_000_000 else 21 if n <= 20_000_000 else 11)
       times = dense(algo, n, reps, kernel)
       rows, med = dense_rows(times, n, baseline, "torch Adam fused")
       if algo == "adamax":

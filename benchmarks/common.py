@@ -14,7 +14,7 @@ import pathlib
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

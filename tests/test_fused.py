@@ -6,17 +6,15 @@ per algorithm. Both backends: the pure-JAX path always, the C++ kernel where it 
 built (it is compiled into a temporary directory when missing; skipped without a compiler).
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import jax
-import jax.numpy as jnp
+from reference import NumpyAdam
 
 import adamkit as ak
 from adamkit import _fused
-
-from reference import NumpyAdam
 
 STEPS = 3
 

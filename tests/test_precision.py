@@ -4,13 +4,12 @@ References are float64 NumPy loops that round where the implementation must roun
 stored moment, the params' cast) and nowhere else.
 """
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
 import pytest
-
-import jax
-import jax.numpy as jnp
 
 import adamkit as ak
 
