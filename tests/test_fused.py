@@ -220,3 +220,8 @@ def test_multi_tensor_many_leaves_split_into_runs(kernel, backend):
   if backend == "kernel":
     hlo = jax.jit(opt.step).lower(params, opt.init(params), grads_like(params, 0)).as_text()
     assert 3 <= hlo.count("adamkit_cpu_step") < 70
+
+
+def test_build_reports_a_missing_compiler(tmp_path):
+  with pytest.raises(RuntimeError, match="compiler|failed"):
+    ak.build_cpu_kernel(tmp_path / "k.so", compiler=str(tmp_path / "no-such-c++"))
