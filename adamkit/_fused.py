@@ -112,6 +112,10 @@ def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str |
     raise RuntimeError(f"No C++ compiler ({cxx!r}): {e}") from e
   if done.returncode != 0:
     raise RuntimeError(f"Compiling the adamkit CPU kernel failed:\n{done.stderr}")
+  global _registered
+  with _lock:
+    if _registered is False and out.resolve() == kernel_path().resolve():
+      _registered = None  # look again: the library now exists
   return out
 
 

@@ -211,7 +211,6 @@ def main(argv=None):
   if kernel and not ak.cpu_kernel_available():
     try:
       ak.build_cpu_kernel()
-      ak._fused._registered = None  # look again now that the library exists
     except RuntimeError as e:
       print(f"(no CPU kernel: {e})")
     kernel = ak.cpu_kernel_available()
