@@ -14,8 +14,8 @@ from adamkit._adam import bias_corrections, check_adam_hyper, compute_dtype, tre
 
 class ScaleByAdamaxState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
-  mu: optax.Updates  # first moment, params' shapes and dtype
-  nu: optax.Updates  # infinity norm max(b2 * nu, |g|), params' shapes and dtype
+  mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
+  nu: optax.Updates  # infinity norm max(b2 * nu, |g|), ``nu_dtype`` or the params' dtype
 
 
 def adamax_direction(g, m, v, *, b1, b2, eps, bc1):
@@ -26,8 +26,8 @@ def adamax_direction(g, m, v, *, b1, b2, eps, bc1):
   return u, m, v
 
 
-def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
-                    eps: float = 1e-8) -> optax.GradientTransformation:
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                    mu_dtype: Any = None, nu_dtype: Any = None) -> optax.GradientTransformation:
   r"""Rescales updates by AdaMax's moments, MindSpore ``nn.AdaMax``'s formula.
 
   .. math::
@@ -46,6 +46,8 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
     b1: decay of the first moment, in (0, 1).
     b2: decay of the infinity norm, in (0, 1).
     eps: added to the denominator, > 0.
+    mu_dtype, nu_dtype: storage dtypes of the two moments (e.g. ``jnp.bfloat16``);
+      default: the params' dtype. The arithmetic is float32 or wider.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleByAdamaxState`.
@@ -62,13 +64,15 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999,
     Reproduces MindSpore 2.10 ``nn.AdaMax``.
   """
   check_adam_hyper(b1, b2, eps)
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 
   def init_fn(params):
     _validate.check_float_params(params)
     # Two separate trees: one buffer shared by mu and nu cannot be donated to jax.jit.
     # zeros_like keeps each param's sharding.
-    mu = jax.tree.map(jnp.zeros_like, params)
-    nu = jax.tree.map(jnp.zeros_like, params)
+    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
+    nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
     return ScaleByAdamaxState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):
@@ -94,8 +98,8 @@ def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
            b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.0,
            weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
            loss_scale: float = 1.0, grad_clip: _links.GradClip = None,
-           grad_centralization: bool = False, groups=None,
-           nonfinite: str = "propagate") -> optax.GradientTransformation:
+           grad_centralization: bool = False, groups=None, mu_dtype: Any = None,
+           nu_dtype: Any = None, nonfinite: str = "propagate") -> optax.GradientTransformation:
   r"""AdaMax with MindSpore's options (``nn.AdaMax``), as a chain of primitives.
 
   .. math::
@@ -120,8 +124,11 @@ def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
   """
   check_adam_hyper(b1, b2, eps)
   _validate.check_bool("grad_centralization", grad_centralization)
+  def direction(b1, b2, eps):
+    return scale_by_adamax(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+
   return _groups.build_named(
-      scale_by_adamax, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
+      direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
       grad_clip=grad_clip, groups=groups, grad_centralization=grad_centralization,
       nonfinite=nonfinite)

@@ -260,3 +260,16 @@ def test_mu_dtype_bfloat16_state_is_kept():
            if isinstance(s, ak.ScaleByAdamState)][0]
   assert inner.mu["w"].dtype == jnp.bfloat16 and inner.nu["w"].dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(inner.mu["w"], np.float32), 0.05, rtol=1e-2)
+
+
+def test_adamax_moment_dtypes():
+  params = {"w": jnp.ones((4, 4))}
+  ref = ak.adamax(0.1)
+  tx = ak.adamax(0.1, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+  g = {"w": jnp.full((4, 4), 0.5)}
+  u, state = tx.update(g, tx.init(params), params)
+  r, _ = ref.update(g, ref.init(params), params)
+  inner = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ak.ScaleByAdamaxState))
+           if isinstance(s, ak.ScaleByAdamaxState)][0]
+  assert inner.mu["w"].dtype == jnp.bfloat16 and inner.nu["w"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(u["w"], r["w"], rtol=1e-6)  # same first step (f32 arithmetic)
