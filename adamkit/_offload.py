@@ -8,10 +8,14 @@ Two modes, both keeping the parameters in device memory:
 * ``"state"`` (JAX's host-offloading guide, MaxText): the state is kept in host memory
   between steps and brought to the device for the update (32 bytes per float32 Adam
   parameter and step: ``mu`` and ``nu`` down and up).
+
+Both modes also take a fused step (:class:`adamkit.FusedStep`), whose ``step`` returns the
+new params rather than an update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -23,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from adamkit import _adam, _compat, _masks, _validate
+from adamkit._fused import FusedStep
 from adamkit._sparse_types import (
     RowSparse,
     _explicit_sharding,
@@ -343,8 +348,56 @@ def _update_touched_rows(inner, updates, state, params, extra):
 # --------------------------------------------------------------------- the wrapper
 
 
-def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
-            memory_kind: str = "pinned_host") -> optax.GradientTransformationExtraArgs:
+def _host_init(init, mode: str, memory_kind: str):
+  """``init`` whose state is placed in ``memory_kind``, laid out like the params."""
+  def init_fn(params):
+    devices = _concrete_devices(params)
+    check_support(mode, memory_kind, devices)
+    state = init(params)
+    if devices is None:  # traced init: keep the layout the compiler picks, in host memory
+      return jax.device_put(state, _compat.HOST)
+    return offload_state(state, params, memory_kind=memory_kind)
+
+  return init_fn
+
+
+@contextlib.contextmanager
+def _explain_host_tracing():
+  """Turns JAX's memory-space type errors while tracing on the host into advice."""
+  try:
+    yield
+  except (TypeError, ValueError) as e:
+    if "memory_space" not in str(e) and "<host>" not in str(e):
+      raise
+    raise RuntimeError(
+        "ak.offload(mode='compute') could not trace this transform's update on the "
+        "host-resident state: it creates arrays of its own (zeros, a lax.cond branch), "
+        "which JAX types as device memory, and combines them with host-resident ones. "
+        "Known cases: optax.clip_by_global_norm (ak.ClipGradByGlobalNorm), "
+        "optax.apply_if_finite (nonfinite='skip'), optax.adafactor, ak.sparse_adam. Use "
+        "mode='state' for this transform: its state still lives in host memory between "
+        "steps (for sparse tables only the touched rows travel)."
+    ) from e
+
+
+def _offload_fused(opt: FusedStep, mode: str, memory_kind: str) -> FusedStep:
+  """:func:`offload` for a :class:`adamkit.FusedStep`: the same two modes, params in/out."""
+  def step_fn(params, state, grads):
+    if mode == "state":
+      params, state = opt.step(params, jax.device_put(state, _compat.DEVICE), grads)
+      return params, jax.device_put(state, _compat.HOST)
+    # The fused step reads and writes the params: they go down with the grads, and the new
+    # params (not an update) come up.
+    params, state, grads = jax.device_put((params, state, grads), _compat.HOST)
+    with _explain_host_tracing():
+      return _compat.on_host(opt.step, (_compat.DEVICE, _compat.HOST))(params, state, grads)
+
+  return FusedStep(_host_init(opt.init, mode, memory_kind), step_fn)
+
+
+def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "compute",
+            memory_kind: str = "pinned_host"
+            ) -> optax.GradientTransformationExtraArgs | FusedStep:
   r"""Keeps ``tx``'s state in host memory; the parameters stay in device memory.
 
   The maths is ``tx``'s, unchanged; only where its state lives and where it is computed
@@ -376,14 +429,34 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
   mode="state")``), not the other way round: ``optax.MultiSteps``'s ``lax.cond`` mixes the
   offloaded scalars with device ones, which JAX rejects.
 
+  A :class:`adamkit.FusedStep` (:func:`adamkit.fused_adam`, :func:`adamkit.fused_adamax`)
+  is offloaded the same way, and the result is again a ``FusedStep``: its
+  ``step(params, state, grads) -> (params, state)`` returns the new params in device
+  memory and the state in host memory. In ``"compute"`` mode (DeepSpeed's CPU Adam) the
+  grads *and* the params go down and the new params come up (12 bytes per float32
+  parameter), and the one-pass step runs on the host; in ``"state"`` mode the state comes
+  to the device for the step, as above.
+
+  .. warning::
+    Where the offloaded fused step runs its C++ kernel. The kernel is registered with XLA
+    for the ``"cpu"`` platform only. On the CPU backend (host and device memory are the
+    same RAM) the kernel runs inside the ``compute_on("device_host")`` region, with
+    donation honoured, bit-identical to the fused step without offload (tested) and as
+    fast (``benchmarks/bench_offload_fused.py``). In a GPU or TPU program,
+    ``backend="auto"`` sees a non-CPU backend and traces the pure-JAX path into the host
+    region; whether XLA then runs that host computation well, and whether
+    ``backend="kernel"`` can lower there at all, is *untested* (no accelerator was
+    available when this was written): expect ``backend="kernel"`` to fail to lower.
+
   Args:
-    tx: any ``optax.GradientTransformation`` (adamkit or optax).
+    tx: any ``optax.GradientTransformation`` (adamkit or optax), or a
+      :class:`adamkit.FusedStep`.
     mode: ``"compute"`` (MindSpore ``AdamOffload``) or ``"state"``.
     memory_kind: the host memory kind for the state: ``"pinned_host"``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``tx``'s state, unchanged
-    in structure, held in host memory.
+    in structure, held in host memory; for a ``FusedStep``, a ``FusedStep`` likewise.
 
   Raises:
     RuntimeError: at ``init`` when the backend has no ``memory_kind`` memory or this JAX
@@ -424,25 +497,30 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
     >>> {x.sharding.memory_kind for x in jax.tree.leaves(state)}
     {'pinned_host'}
 
+    The fused step, offloaded (jit it with ``donate_argnums=(0, 1)``):
+
+    >>> opt = ak.offload(ak.fused_adam(0.1))
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
+    >>> params, state = step(params, opt.init(params), {"w": jnp.array([2.0, -4.0])})
+    >>> params["w"].round(4), params["w"].sharding.memory_kind
+    (Array([ 0.9, -1.9], dtype=float32), 'device')
+    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state)}
+    {'pinned_host'}
+
   References:
     MindSpore 2.10 ``nn.AdamOffload`` (the ``"compute"`` mode); Ren et al., "ZeRO-Offload:
     Democratizing Billion-Scale Model Training", USENIX ATC 2021; JAX's "Memories and
     host offloading" guide (the ``"state"`` mode).
   """
-  if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(
-        f"`tx` must be an optax GradientTransformation, got {type(tx).__name__}.")
   _validate.check_choice("mode", mode, _MODES)
   _validate.check_choice("memory_kind", memory_kind, _HOST_KINDS)
+  if isinstance(tx, FusedStep):
+    return _offload_fused(tx, mode, memory_kind)
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError("`tx` must be an optax GradientTransformation or an adamkit FusedStep, "
+                    f"got {type(tx).__name__}.")
   inner = optax.with_extra_args_support(tx)
-
-  def init_fn(params):
-    devices = _concrete_devices(params)
-    check_support(mode, memory_kind, devices)
-    state = inner.init(params)
-    if devices is None:  # traced init: keep the layout the compiler picks, in host memory
-      return jax.device_put(state, _compat.HOST)
-    return offload_state(state, params, memory_kind=memory_kind)
 
   def update_state_mode(updates, state, params, extra):
     if any(isinstance(g, RowSparse) for g in jax.tree.leaves(updates, is_leaf=is_row_sparse)):
@@ -460,29 +538,18 @@ def offload(tx: optax.GradientTransformation, *, mode: str = "compute",
     updates, state, params, extra = jax.device_put((updates, state, params, extra),
                                                    _compat.HOST)
     fn = _compat.on_host(host_update, (_compat.DEVICE, _compat.HOST))
-    try:
+    with _explain_host_tracing():
       if params is not None and not _reads_params(host_update, updates, state, params, extra):
         params = None  # keep the 4 bytes per parameter of an unused copy off the link
       return fn(updates, state, params, extra)
-    except (TypeError, ValueError) as e:
-      if "memory_space" not in str(e) and "<host>" not in str(e):
-        raise
-      raise RuntimeError(
-          "ak.offload(mode='compute') could not trace this transform's update on the "
-          "host-resident state: it creates arrays of its own (zeros, a lax.cond branch), "
-          "which JAX types as device memory, and combines them with host-resident ones. "
-          "Known cases: optax.clip_by_global_norm (ak.ClipGradByGlobalNorm), "
-          "optax.apply_if_finite (nonfinite='skip'), optax.adafactor, ak.sparse_adam. Use "
-          "mode='state' for this transform: its state still lives in host memory between "
-          "steps (for sparse tables only the touched rows travel)."
-      ) from e
 
   def update_fn(updates, state, params=None, **extra):
     if mode == "state":
       return update_state_mode(updates, state, params, extra)
     return update_compute_mode(updates, state, params, extra)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(_host_init(inner.init, mode, memory_kind),
+                                               update_fn)
 
 
 def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
