@@ -34,3 +34,25 @@ def load_golden(name):
   import json
   d = np.load(GOLDEN / f"{name}.npz")
   return json.loads(str(d["__config__"])), d
+
+
+@pytest.fixture(scope="session")
+def kernel(tmp_path_factory):
+  """Makes adamkit's compiled CPU kernel available, building it into a temp dir if the
+  install did not (tests that need it skip where no C++ compiler is found)."""
+  import adamkit as ak
+  from adamkit import _fused
+  if ak.cpu_kernel_available():
+    yield
+    return
+  out = tmp_path_factory.mktemp("kernel") / "libadamkit_cpu.so"
+  try:
+    ak.build_cpu_kernel(out)
+  except RuntimeError as e:
+    pytest.skip(f"cannot build the CPU kernel here: {e}")
+  mp = pytest.MonkeyPatch()
+  mp.setenv("ADAMKIT_CPU_KERNEL", str(out))
+  _fused._registered = None
+  assert ak.cpu_kernel_available()
+  yield
+  mp.undo()

@@ -19,25 +19,6 @@ from adamkit import _fused
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-  """Makes the compiled kernel available for this module, building it if needed."""
-  if not ak.cpu_kernel_available():
-    out = tmp_path_factory.mktemp("kernel") / "libadamkit_cpu.so"
-    try:
-      ak.build_cpu_kernel(out)
-    except RuntimeError as e:
-      pytest.skip(f"cannot build the CPU kernel here: {e}")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ADAMKIT_CPU_KERNEL", str(out))
-    _fused._registered = None
-    assert ak.cpu_kernel_available()
-    yield
-    mp.undo()
-  else:
-    yield
-
-
 def make_params(seed=0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   shapes = {"conv": (4, 3, 2), "dense": {"kernel": (6, 5), "bias": (5,)}, "bn": {"gamma": (3,)},

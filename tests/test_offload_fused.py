@@ -23,25 +23,6 @@ STEPS = 4
 LR = 0.05
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-  """Makes the compiled kernel available for this module, building it if needed."""
-  if ak.cpu_kernel_available():
-    yield
-    return
-  out = tmp_path_factory.mktemp("kernel") / "libadamkit_cpu.so"
-  try:
-    ak.build_cpu_kernel(out)
-  except RuntimeError as e:
-    pytest.skip(f"cannot build the CPU kernel here: {e}")
-  mp = pytest.MonkeyPatch()
-  mp.setenv("ADAMKIT_CPU_KERNEL", str(out))
-  _fused._registered = None
-  assert ak.cpu_kernel_available()
-  yield
-  mp.undo()
-
-
 def make_params():
   # "bias" is spared by the default (MindSpore) decay mask; the kernel sees both flags.
   w = jnp.linspace(-1.0, 1.0, 48, dtype=jnp.float32).reshape(8, 6)
