@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _groups, _links, _masks, _schedules, _validate
-from adamkit._links import compute_dtype
+from adamkit._dtypes import compute_dtype
 
 
 class ScaleByAdamState(NamedTuple):

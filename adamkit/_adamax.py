@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _groups, _links, _masks, _schedules, _validate
-from adamkit._adam import bias_corrections, check_adam_hyper, compute_dtype, tree_map_multi
+from adamkit._adam import bias_corrections, check_adam_hyper, tree_map_multi
+from adamkit._dtypes import compute_dtype
 
 
 class ScaleByAdamaxState(NamedTuple):

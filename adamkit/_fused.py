@@ -47,6 +47,7 @@ from jax import lax
 
 from adamkit import _adam, _masks, _schedules, _validate
 from adamkit._adamax import adamax_direction
+from adamkit._dtypes import compute_dtype
 
 _KERNEL_DIR = pathlib.Path(__file__).parent / "_cpu"
 _KERNEL_SOURCE = _KERNEL_DIR / "adam_kernels.cc"
@@ -288,7 +289,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       if k_l[i]:
         g = g + (wd * p.astype(jnp.float32)).astype(g.dtype)
       g_dtype = g.dtype
-      dt = _adam.compute_dtype(g)
+      dt = compute_dtype(g)
       g = g.astype(dt)
       if kind == "adamax":
         u, m2, v2 = adamax_direction(g, m.astype(dt), v.astype(dt), b1=b1_, b2=b2_, eps=eps_,
@@ -300,7 +301,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       # The reference's rounding points: the direction in the gradient's dtype, then the
       # learning-rate link, then optax.apply_updates in the params' dtype.
       u = u.astype(g_dtype)
-      step = (-lr * u.astype(_adam.compute_dtype(u))).astype(u.dtype)
+      step = (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
       new_p[i] = (p + step).astype(p.dtype)
       new_m[i], new_v[i] = m2.astype(m.dtype), v2.astype(v.dtype)
       if multi_tensor:  # back into the flat buffers, in place

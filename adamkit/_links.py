@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _masks, _schedules, _validate
+from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, gather_rows, is_row_sparse, map_values, safe_ids
 
 # ---------------------------------------------------------------------------- checks
@@ -260,15 +261,6 @@ def scale_by_learning_rate(learning_rate: _schedules.ScalarOrSchedule
     return new, ScaleByLearningRateState(count=count, learning_rate=_lr_at(schedule, count))
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def compute_dtype(x) -> jnp.dtype:
-  """float32, or float64 for float64 leaves: low-precision leaves are computed in f32.
-
-  Written out rather than ``jnp.promote_types``, which refuses bf16 + f32 under
-  ``jax_numpy_dtype_promotion="strict"``.
-  """
-  return jnp.dtype(jnp.float64) if jnp.dtype(x.dtype).itemsize > 4 else jnp.dtype(jnp.float32)
 
 
 def _lr_at(schedule, count):

@@ -20,7 +20,8 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from adamkit import _adam, _groups, _links, _masks, _schedules, _validate
+from adamkit import _adam, _groups, _masks, _schedules, _validate
+from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import (
     RowSparse,
     check_row_args,
@@ -36,7 +37,7 @@ from adamkit._sparse_types import (
 def _lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
   """Adam on the rows of ``g`` only. Returns ``(ids, u_rows, m, v)``; ids must be unique."""
   ids = safe_ids(g.indices, g.num_rows)
-  dt = _links.compute_dtype(g.values)
+  dt = compute_dtype(g.values)
   u, m_rows, v_rows = _adam.adam_direction(
       g.values.astype(dt), gather_rows(m, ids).astype(dt), gather_rows(v, ids).astype(dt),
       b1=b1, b2=b2, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
@@ -161,7 +162,7 @@ def fused_sparse_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps
   _validate.check_bool("use_nesterov", use_nesterov)
   var, m, v, g = _fused_args(var, m, v, gradient, indices)
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
-  dt = _links.compute_dtype(var)
+  dt = compute_dtype(var)
   u, m_new, v_new = _adam.adam_direction(g.todense(like=m).astype(dt), m.astype(dt), v.astype(dt),
                                          eps_mode="hat", nesterov=use_nesterov, **hyper)
   var_new = var.astype(dt) - lr * u
@@ -300,7 +301,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
       if isinstance(g, RowSparse):
         _check_table(g, m)
         g = g.todense(like=m)
-      dt = _links.compute_dtype(g)
+      dt = compute_dtype(g)
       u, m_new, v_new = _adam.adam_direction(g.astype(dt), m.astype(dt), v.astype(dt), **hyper)
       return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
 

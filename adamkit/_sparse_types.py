@@ -1,7 +1,8 @@
 """The row-sparse gradient type.
 
-Kept free of other adamkit imports so that the core chain links (``_links``, ``_validate``)
-can recognise a :class:`RowSparse` leaf without an import cycle.
+Kept free of other adamkit imports (but the dependency-free ``_dtypes``) so that the core
+chain links (``_links``, ``_validate``) can recognise a :class:`RowSparse` leaf without an
+import cycle.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from adamkit._dtypes import compute_dtype
 
 
 def _is_tracer(x: Any) -> bool:
@@ -232,7 +235,7 @@ class RowSparse:
     slot = jnp.cumsum(first) - 1
     uniq = jnp.full((k,), self.num_rows, ids.dtype).at[slot].set(srt)  # sorted, fill last
     inverse = jnp.searchsorted(uniq, ids)
-    wide = jnp.promote_types(self.values.dtype, jnp.float32)
+    wide = compute_dtype(self.values)
     summed = jax.ops.segment_sum(self.values.astype(wide), inverse, num_segments=k)
     return RowSparse.tree_unflatten(self.num_rows, (uniq, summed.astype(self.values.dtype)))
 

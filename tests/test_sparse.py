@@ -479,3 +479,12 @@ def test_table_sharded_by_rows_over_8_devices(axis_type):
   np.testing.assert_allclose(np.asarray(g["e"].todense()),
                              np.asarray(jax.grad(lambda t: jnp.sum(t[ids] ** 2))(plain["e"])),
                              rtol=1e-6)
+
+
+def test_coalesce_bfloat16_values_under_strict_promotion():
+  # merges in float32, returns the values' own dtype (conftest sets strict promotion)
+  g = ak.RowSparse(jnp.array([1, 1, 3]), jnp.full((3, 2), 0.5, jnp.bfloat16), 5)
+  merged = g.coalesce()
+  assert merged.values.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(merged.todense(), np.float32)[[1, 3]],
+                                [[1.0, 1.0], [0.5, 0.5]])
