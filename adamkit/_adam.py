@@ -26,6 +26,18 @@ def tree_map_multi(fn, n_out: int, tree, *rest):
   return tuple(treedef.unflatten([o[i] for o in outs]) for i in range(n_out))
 
 
+def zero_moments(params, mu_dtype=None, nu_dtype=None):
+  """``(mu, nu)``: two separate zero trees shaped like ``params``, in ``mu_dtype`` /
+  ``nu_dtype`` (default: each param's dtype).
+
+  ``zeros_like`` keeps each param's sharding and memory kind, so no moment lands on one
+  device first; two trees, because one buffer shared by mu and nu cannot be donated.
+  """
+  mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
+  nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
+  return mu, nu
+
+
 def bias_corrections(b1, b2, count):
   """``(1 - b1**t, 1 - b2**t)`` as float32 scalars, ``t = count`` (1-based)."""
   t = count.astype(jnp.float32)
@@ -120,10 +132,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
   def init_fn(params):
     _validate.check_float_params(params)
-    # zeros_like keeps each param's sharding (and memory kind): no moment lands on one
-    # device first.
-    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
-    nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
+    mu, nu = zero_moments(params, mu_dtype, nu_dtype)
     return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _groups, _links, _masks, _schedules, _validate
-from adamkit._adam import bias_corrections, check_adam_hyper, tree_map_multi
+from adamkit._adam import bias_corrections, check_adam_hyper, tree_map_multi, zero_moments
 from adamkit._dtypes import compute_dtype
 
 
@@ -70,10 +70,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
   def init_fn(params):
     _validate.check_float_params(params)
-    # Two separate trees: one buffer shared by mu and nu cannot be donated to jax.jit.
-    # zeros_like keeps each param's sharding.
-    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
-    nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
+    mu, nu = zero_moments(params, mu_dtype, nu_dtype)
     return ScaleByAdamaxState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):

@@ -202,8 +202,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       mu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, mu_of)[1].items()}
       nu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, nu_of)[1].items()}
     else:
-      mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_of(p)), params)
-      nu = jax.tree.map(lambda p: jnp.zeros(p.shape, nu_of(p)), params)
+      mu, nu = _adam.zero_moments(params, mu_dtype, nu_dtype)
     return FusedAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def step_fn(params, state, grads):

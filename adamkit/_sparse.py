@@ -277,9 +277,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
 
   def init_fn(params):
     _validate.check_float_params(params)
-    # zeros_like keeps a sharded table's sharding for its moments.
-    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
-    nu = jax.tree.map(jnp.zeros_like, params)
+    mu, nu = _adam.zero_moments(params, mu_dtype)
     return ScaleBySparseAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):

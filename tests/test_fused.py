@@ -206,3 +206,15 @@ def test_multi_tensor_many_leaves_split_into_runs(kernel, backend):
 def test_build_reports_a_missing_compiler(tmp_path):
   with pytest.raises(RuntimeError, match="compiler|failed"):
     ak.build_cpu_kernel(tmp_path / "k.so", compiler=str(tmp_path / "no-such-c++"))
+
+
+def test_per_leaf_state_is_born_with_the_params_sharding():
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:4]), ("rows",))
+  sharding = NamedSharding(mesh, P("rows"))
+  params = {"w": jax.device_put(jnp.ones((8, 3)), sharding)}
+  state = ak.fused_adam(0.1, multi_tensor=False, mu_dtype=jnp.bfloat16).init(params)
+  for moment in (state.mu["w"], state.nu["w"]):
+    assert moment.sharding.is_equivalent_to(sharding, 2)
+  assert state.mu["w"].dtype == jnp.bfloat16 and state.nu["w"].dtype == jnp.float32
