@@ -17,7 +17,8 @@ from adamkit._validate import path_name
 _MOMENT_STATES = (ScaleByAdamState, ScaleByAdamaxState, ScaleBySparseAdamState)
 
 
-def _is_moment_state(x) -> bool:
+def is_moment_state(x) -> bool:
+  """A per-parameter ``(count, mu, nu)`` state node: Adam, AdaMax or sparse Adam."""
   return isinstance(x, _MOMENT_STATES)
 
 
@@ -32,11 +33,11 @@ def _group_of(path) -> str:
 
 def _named_leaves(state: Any) -> list[tuple[str, Any]]:
   """``(name, leaf)`` for every array leaf of ``state``, in ``jax.tree.leaves`` order."""
-  nodes, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_moment_state)
-  n_moment = sum(1 for _, n in nodes if _is_moment_state(n))
+  nodes, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_moment_state)
+  n_moment = sum(1 for _, n in nodes if is_moment_state(n))
   out = []
   for path, node in nodes:
-    if not _is_moment_state(node):
+    if not is_moment_state(node):
       out.append(("state." + (path_name(path) or "root"), node))
       continue
     group = _group_of(path)

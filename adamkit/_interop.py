@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from adamkit._adam import ScaleByAdamState
 from adamkit._adamax import ScaleByAdamaxState
+from adamkit._checkpoint import is_moment_state
 from adamkit._links import ScaleByLearningRateState
 from adamkit._validate import path_name
 
@@ -208,14 +208,6 @@ def _leaf_names(tree, names: Names):
   return rename
 
 
-def _is_moment_state(x):
-  """Adam-like state nodes: ``ScaleByAdamState``, ``ScaleByAdamaxState`` and any other
-  NamedTuple of exactly ``(count, mu, nu)`` (``ScaleBySparseAdamState``)."""
-  if isinstance(x, (ScaleByAdamState, ScaleByAdamaxState)):
-    return True
-  return isinstance(x, tuple) and getattr(x, "_fields", None) == ("count", "mu", "nu")
-
-
 def _map_states(state, fn):
   """Applies ``fn`` to every NamedTuple node of ``state`` (innermost first)."""
   if isinstance(state, tuple) and hasattr(state, "_fields"):
@@ -269,7 +261,7 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
   def fill(node):
-    if _is_moment_state(node):
+    if is_moment_state(node):
       if isinstance(node, ScaleByAdamaxState) and not allow_adamax:
         raise ValueError(
             f"{framework}'s Adamax keeps eps inside its infinity norm; ak.adamax follows "
@@ -282,7 +274,7 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
 
   state = tx.init(params)
   found = []
-  _map_states(state, lambda n: found.append(n) or n if _is_moment_state(n) else n)
+  _map_states(state, lambda n: found.append(n) or n if is_moment_state(n) else n)
   if not found:
     raise ValueError("`tx`'s state has no Adam or AdaMax moments to fill.")
   state = _map_states(state, fill)

@@ -278,3 +278,11 @@ def test_import_keeps_the_state_sharding(make):
   assert np.asarray(_moments(imported)["w"][0])[3, 1] == 0.5
   updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), imported, params)
   assert jax.tree.leaves(updates)[0].shape == params["w"].shape
+
+
+def test_fused_state_is_refused_clearly():
+  # A FusedStep's multi-tensor moments are flat per-dtype buffers, not per-parameter trees.
+  ckpt = {"moment1.w": np.zeros((2, 3), np.float32), "moment2.w": np.zeros((2, 3), np.float32),
+          "beta1_power": np.array([0.9 ** 5], np.float32)}
+  with pytest.raises(ValueError, match="no Adam or AdaMax moments"):
+    ak.from_mindspore_state(ckpt, {"w": jnp.ones((2, 3))}, ak.fused_adam(1e-3))
