@@ -16,6 +16,7 @@ For an editable install the library is written next to its source
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -27,6 +28,15 @@ SOURCE = pathlib.Path("adamkit") / "_cpu" / "adam_kernels.cc"
 LIBRARY = pathlib.Path("adamkit") / "_cpu" / "libadamkit_cpu.so"
 
 
+def _build_module(root: pathlib.Path):
+  """adamkit/_kernel_build.py, loaded by path: importing the package would need optax."""
+  spec = importlib.util.spec_from_file_location("_adamkit_kernel_build",
+                                                root / "adamkit" / "_kernel_build.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def compile_kernel(root: pathlib.Path) -> str | None:
   """Compiles the kernel in place; returns None, or the reason it was not built."""
   if os.environ.get("ADAMKIT_NO_KERNEL"):
@@ -36,9 +46,7 @@ def compile_kernel(root: pathlib.Path) -> str | None:
     include = jax.ffi.include_dir()
   except Exception as e:  # noqa: BLE001 - any failure means: no kernel
     return f"jax (for the XLA FFI headers) is not importable: {e}"
-  cmd = [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-shared", "-fPIC",
-         "-fno-math-errno", "-ffp-contract=off", "-w", f"-I{include}", str(root / SOURCE),
-         "-o", str(root / LIBRARY)]
+  cmd = _build_module(root).compile_command(root / SOURCE, root / LIBRARY, include)
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
   except OSError as e:

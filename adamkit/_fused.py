@@ -45,7 +45,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from adamkit import _adam, _masks, _schedules, _validate
+from adamkit import _adam, _kernel_build, _masks, _schedules, _validate
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
 
@@ -99,18 +99,13 @@ def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str |
   its pure-JAX path. Returns the library's path. Raises ``RuntimeError`` when compiling fails.
   """
   out = pathlib.Path(output) if output else kernel_path()
-  cxx = compiler or os.environ.get("CXX", "c++")
-  # -fno-math-errno lets the compiler vectorize sqrt; no -ffast-math and no FMA contraction,
-  # so each operation rounds as XLA's does. -march stays at the platform default so the
-  # library runs on any machine of the architecture.
-  cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off",
-         "-w", f"-I{jax.ffi.include_dir()}", str(_KERNEL_SOURCE), "-o", str(out)]
+  cmd = _kernel_build.compile_command(_KERNEL_SOURCE, out, jax.ffi.include_dir(), compiler)
   if verbose:
     print(" ".join(cmd), file=sys.stderr)
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
   except OSError as e:
-    raise RuntimeError(f"No C++ compiler ({cxx!r}): {e}") from e
+    raise RuntimeError(f"No C++ compiler ({cmd[0]!r}): {e}") from e
   if done.returncode != 0:
     raise RuntimeError(f"Compiling the adamkit CPU kernel failed:\n{done.stderr}")
   global _registered
