@@ -17,16 +17,10 @@ from adamkit._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
 from adamkit._checkpoint import get_lr, load_state_dict, state_dict
 
 # Speed and precision: the one-pass fused step, master weights, float32 hyperparameters.
-from adamkit._fused import (
-    FusedAdamState,
-    FusedStep,
-    build_cpu_kernel,
-    cpu_kernel_available,
-    fused_adam,
-    fused_adamax,
-)
+from adamkit._fused import FusedAdamState, FusedStep, fused_adam, fused_adamax
 from adamkit._groups import Group
 from adamkit._interop import from_mindspore_state, from_paddle_state
+from adamkit._kernels import build_cpu_kernel, cpu_kernel_available
 from adamkit._links import (
     AddDecayState,
     ClipGradByGlobalNorm,

@@ -30,12 +30,6 @@ buffer before the kernel runs, a whole extra pass.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import pathlib
-import subprocess
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -45,15 +39,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from adamkit import _adam, _kernel_build, _masks, _schedules, _validate
+from adamkit import _adam, _kernels, _masks, _schedules, _validate
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
 
-_KERNEL_DIR = pathlib.Path(__file__).parent / "_cpu"
-_KERNEL_SOURCE = _KERNEL_DIR / "adam_kernels.cc"
-_KERNEL_NAME = "libadamkit_cpu.so"
-_TARGET = "adamkit_cpu_step"
-_KIND = {"hat": 0, "corrected": 1, "adamax": 2}
 _LEAVES_PER_CALL = 32  # multi-tensor: leaves per kernel call
 _MIN_LEAF = 1 << 15  # per leaf, backend="auto": smaller leaves stay in XLA
 
@@ -76,81 +65,6 @@ class FusedStep(NamedTuple):
   init: Callable[[optax.Params], FusedAdamState]
   step: Callable[[optax.Params, FusedAdamState, optax.Updates],
                  tuple[optax.Params, FusedAdamState]]
-
-
-# ------------------------------------------------------------------------- the kernel
-
-_lock = threading.Lock()
-_registered: bool | None = None
-
-
-def kernel_path() -> pathlib.Path:
-  """Where the compiled CPU kernel is looked for (``$ADAMKIT_CPU_KERNEL`` overrides)."""
-  env = os.environ.get("ADAMKIT_CPU_KERNEL")
-  return pathlib.Path(env) if env else _KERNEL_DIR / _KERNEL_NAME
-
-
-def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str | None = None,
-                     verbose: bool = False) -> pathlib.Path:
-  """Compiles the one-pass CPU kernel (``adamkit/_cpu/adam_kernels.cc``) with the system's
-  C++ compiler against the XLA FFI headers that ship with jaxlib.
-
-  Run once after installing (``python -m adamkit._fused``); until then the fused step uses
-  its pure-JAX path. Returns the library's path. Raises ``RuntimeError`` when compiling fails.
-  """
-  out = pathlib.Path(output) if output else kernel_path()
-  cmd = _kernel_build.compile_command(_KERNEL_SOURCE, out, jax.ffi.include_dir(), compiler)
-  if verbose:
-    print(" ".join(cmd), file=sys.stderr)
-  try:
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  except OSError as e:
-    raise RuntimeError(f"No C++ compiler ({cmd[0]!r}): {e}") from e
-  if done.returncode != 0:
-    raise RuntimeError(f"Compiling the adamkit CPU kernel failed:\n{done.stderr}")
-  global _registered
-  with _lock:
-    if _registered is False and out.resolve() == kernel_path().resolve():
-      _registered = None  # look again: the library now exists
-  return out
-
-
-def cpu_kernel_available() -> bool:
-  """True when the compiled kernel is present and registered with XLA's CPU backend."""
-  global _registered
-  with _lock:
-    if _registered is None:
-      path = kernel_path()
-      try:
-        lib = ctypes.cdll.LoadLibrary(str(path)) if path.exists() else None
-      except OSError:
-        lib = None
-      if lib is not None:
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.AdamkitCpuStep),
-                                    platform="cpu")
-      _registered = lib is not None
-    return _registered
-
-
-def _on_cpu(tree) -> bool:
-  """Whether the step runs on CPU: the arrays' device, or JAX's default backend while tracing."""
-  for leaf in jax.tree.leaves(tree):
-    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-      return all(d.platform == "cpu" for d in leaf.devices())
-  return jax.default_backend() == "cpu"
-
-
-def _kernel_call(kind: str, nesterov: bool, decay: bool, offset: int, scalars, ps, gs, m, v):
-  """One kernel call: params ``ps`` and grads ``gs`` (float32 leaves) and the moment buffers
-  ``m``, ``v`` holding those leaves back to back from element ``offset``."""
-  n = len(ps)
-  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ps + [m, v]]
-  aliases = {1 + i: i for i in range(n)}
-  aliases.update({1 + 2 * n: n, 2 + 2 * n: n + 1})
-  call = jax.ffi.ffi_call(_TARGET, shapes, input_output_aliases=aliases)
-  out = call(scalars, *ps, *gs, m, v, kind=np.int64(_KIND[kind]), nesterov=bool(nesterov),
-             decay=bool(decay), offset=np.int64(offset))
-  return list(out[:n]), out[n], out[n + 1]
 
 
 class _Slot(NamedTuple):
@@ -235,24 +149,16 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       same = not multi_tensor or m_slots[i].offset == v_slots[i].offset  # one offset/call
       return same and all(x.dtype == jnp.float32 for x in (leaves[i], g_l[i], m_l[i], v_l[i]))
 
-    if backend == "kernel" and not cpu_kernel_available():
+    if backend == "kernel" and not _kernels.cpu_kernel_available():
       raise RuntimeError("backend='kernel' but the adamkit CPU kernel is not built: run "
-                         "`python -m adamkit._fused` (see adamkit.build_cpu_kernel).")
-    use_kernel = backend == "kernel" or (backend == "auto" and _on_cpu(params)
-                                         and cpu_kernel_available())
+                         "`python -m adamkit._kernels` (see adamkit.build_cpu_kernel).")
+    use_kernel = backend == "kernel" or (backend == "auto" and _kernels.on_cpu(params)
+                                         and _kernels.cpu_kernel_available())
     # Per leaf, a kernel call costs more than XLA's fused loop on a small leaf.
     on_kernel = [i for i in range(len(leaves)) if use_kernel and is_f32(i)
                  and (multi_tensor or backend == "kernel" or leaves[i].size >= _MIN_LEAF)]
     if on_kernel:
-      # The scalars in the reference's own arithmetic: XLA turns x / c into x * (1 / c)
-      # for a scalar c, so the kernel receives the reciprocals.
-      if kind == "hat":
-        c1, c2 = jnp.sqrt(bc2) / bc1, jnp.float32(1.0)
-      elif kind == "corrected":
-        c1, c2 = 1.0 / bc1, 1.0 / bc2
-      else:
-        c1, c2 = bc1, jnp.float32(1.0)
-      scalars = jnp.stack([b1_, 1.0 - b1_, b2_, 1.0 - b2_, eps_, lr, wd, c1, c2])
+      scalars = _kernels.kernel_scalars(kind, b1_, b2_, eps_, lr, wd, bc1, bc2)
       if multi_tensor:
         # Runs of consecutive float32 leaves with one decay flag, at most _LEAVES_PER_CALL
         # each (XLA's compile time grows faster than linearly in a call's operand count).
@@ -266,14 +172,14 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
         runs.append(run)
         key = m_slots[on_kernel[0]].buffer  # "float32" for both moments
         for run in runs:
-          p_o, mu[key], nu[key] = _kernel_call(
+          p_o, mu[key], nu[key] = _kernels.dense_call(
               kind, nesterov, k_l[run[0]], m_slots[run[0]].offset, scalars,
               [leaves[i] for i in run], [g_l[i] for i in run], mu[key], nu[key])
           for j, i in enumerate(run):
             new_p[i] = p_o[j]
       else:
         for i in on_kernel:
-          (new_p[i],), new_m[i], new_v[i] = _kernel_call(
+          (new_p[i],), new_m[i], new_v[i] = _kernels.dense_call(
               kind, nesterov, k_l[i], 0, scalars, [leaves[i]], [g_l[i]], m_l[i], v_l[i])
 
     done = set(on_kernel)
@@ -406,7 +312,3 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
                 weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                 mu_dtype=mu_dtype, nu_dtype=nu_dtype, multi_tensor=multi_tensor,
                 backend=backend)
-
-
-if __name__ == "__main__":
-  print(build_cpu_kernel(verbose=True))

@@ -1,4 +1,4 @@
-"""How the one-pass CPU kernel is compiled: used by ``adamkit._fused.build_cpu_kernel`` and
+"""How the CPU kernels are compiled: used by ``adamkit._kernels.build_cpu_kernel`` and
 by the install-time build hook (``hatch_build.py``), which loads this file by path. Standard
 library only, so the build environment needs no adamkit dependency but jax's headers."""
 

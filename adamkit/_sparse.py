@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from adamkit import _adam, _groups, _masks, _schedules, _validate
+from adamkit import _adam, _groups, _kernels, _masks, _schedules, _validate
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import (
     RowSparse,
@@ -33,9 +33,32 @@ from adamkit._sparse_types import (
 
 # ---------------------------------------------------------------------------- helpers
 
+_BACKENDS = ("auto", "kernel", "xla")
 
-def _lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
-  """Adam on the rows of ``g`` only. Returns ``(ids, u_rows, m, v)``; ids must be unique."""
+
+def _use_kernel(backend: str, *arrays, ids) -> bool:
+  """Whether a lazy step runs in the CPU kernel (see the ``backend`` arguments)."""
+  if backend == "xla":
+    return False
+  if backend == "kernel" and not _kernels.cpu_kernel_available():
+    raise RuntimeError("backend='kernel' but the adamkit CPU kernel is not built: run "
+                       "`python -m adamkit._kernels` (see adamkit.build_cpu_kernel).")
+  if backend == "kernel":  # forced: any device count; other dtypes still take the XLA path
+    return ids.dtype == jnp.int32 and all(a.dtype == jnp.float32 for a in arrays)
+  return _kernels.sparse_kernel_usable(*arrays, ids=ids)
+
+
+def _lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov, merge,
+               backend):
+  """Adam on the rows of ``g`` only, duplicates summed first when ``merge``. Returns
+  ``(ids, u_rows, m, v)`` with distinct ids (padding: ``num_rows``, dropped by scatters)."""
+  if _use_kernel(backend, g.values, m, v, ids=g.indices):
+    scalars = _kernels.kernel_scalars(eps_mode, b1, b2, eps, 0.0, 0.0, bc1, bc2)
+    m, v, ids, u = _kernels.sparse_lazy_call(eps_mode, nesterov, merge, scalars, g.indices,
+                                           g.values, m, v, num_rows=g.num_rows)
+    return ids, u, m, v
+  if merge:
+    g = g.coalesce()
   ids = safe_ids(g.indices, g.num_rows)
   dt = compute_dtype(g.values)
   u, m_rows, v_rows = _adam.adam_direction(
@@ -170,7 +193,8 @@ def fused_sparse_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps
 
 
 def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2, epsilon,
-                           gradient, indices, *, use_nesterov: bool = False):
+                           gradient, indices, *, use_nesterov: bool = False,
+                           backend: str = "auto"):
   r"""MindSpore ``ops.FusedSparseLazyAdam``: Adam on the rows present in ``indices`` only.
 
   Duplicate ids are summed into :math:`G_i`; for each distinct id :math:`i`:
@@ -207,9 +231,17 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
     is the same rule.
   """
   _validate.check_bool("use_nesterov", use_nesterov)
+  _validate.check_choice("backend", backend, _BACKENDS)
   var, m, v, g = _fused_args(var, m, v, gradient, indices)
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
-  ids, u, m, v = _lazy_rows(g.coalesce(), m, v, eps_mode="hat", nesterov=use_nesterov, **hyper)
+  if _use_kernel(backend, var, m, v, g.values, ids=g.indices):
+    scalars = _kernels.kernel_scalars("hat", hyper["b1"], hyper["b2"], hyper["eps"], lr, 0.0,
+                                    hyper["bc1"], hyper["bc2"])
+    m, v, var = _kernels.sparse_lazy_call("hat", use_nesterov, True, scalars, g.indices,
+                                        g.values, m, v, var, num_rows=g.num_rows)
+    return var, m, v
+  ids, u, m, v = _lazy_rows(g, m, v, eps_mode="hat", nesterov=use_nesterov, merge=True,
+                            backend="xla", **hyper)
   rows = gather_rows(var, ids).astype(u.dtype) - lr * u
   return scatter_rows(var, ids, rows), m, v
 
@@ -225,8 +257,8 @@ class ScaleBySparseAdamState(NamedTuple):
 
 def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                          lazy: bool = True, eps_mode: str = "hat", nesterov: bool = False,
-                         unique_ids: bool = False,
-                         mu_dtype: Any = None) -> optax.GradientTransformation:
+                         unique_ids: bool = False, mu_dtype: Any = None,
+                         backend: str = "auto") -> optax.GradientTransformation:
   r"""Adam's direction for gradient trees whose leaves may be :class:`adamkit.RowSparse`.
 
   Dense leaves get exactly :func:`adamkit.scale_by_adam`. For a ``RowSparse`` leaf with
@@ -273,6 +305,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
+  _validate.check_choice("backend", backend, _BACKENDS)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
   def init_fn(params):
@@ -292,9 +325,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     def leaf(g, m, v):
       if isinstance(g, RowSparse) and lazy:
         _check_table(g, m)
-        if not unique_ids:
-          g = g.coalesce()
-        ids, u, m, v = _lazy_rows(g, m, v, **hyper)
+        ids, u, m, v = _lazy_rows(g, m, v, merge=not unique_ids, backend=backend, **hyper)
         return RowSparse.tree_unflatten(g.num_rows, (ids, u.astype(g.dtype))), m, v
       if isinstance(g, RowSparse):
         _check_table(g, m)
@@ -325,7 +356,7 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
                 eps_mode: str = "hat", nesterov: bool = False, weight_decay: Any = 0.0,
                 weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
                 loss_scale: float = 1.0, unique_ids: bool = False, mu_dtype: Any = None,
-                nonfinite: str = "propagate") -> optax.GradientTransformation:
+                nonfinite: str = "propagate", backend: str = "auto") -> optax.GradientTransformation:
   r"""Adam for trees mixing :class:`adamkit.RowSparse` (embedding) and dense gradients.
 
   .. math::
@@ -382,10 +413,11 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
+  _validate.check_choice("backend", backend, _BACKENDS)
 
   def direction(b1, b2, eps):
     return scale_by_sparse_adam(b1, b2, eps, lazy=lazy, eps_mode=eps_mode, nesterov=nesterov,
-                                unique_ids=unique_ids, mu_dtype=mu_dtype)
+                                unique_ids=unique_ids, mu_dtype=mu_dtype, backend=backend)
 
   return _groups.build_named(
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
@@ -393,16 +425,19 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
       grad_clip=None, groups=None, nonfinite=nonfinite)
 
 
-def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
+def apply_updates(params: optax.Params, updates: optax.Updates, *,
+                  backend: str = "auto") -> optax.Params:
   """``params + updates``, scattering :class:`adamkit.RowSparse` updates into their rows.
 
   Dense leaves behave as ``optax.apply_updates``. A ``RowSparse`` update adds its values
-  to its rows (duplicates add up, ids outside ``[0, N)`` are dropped) with one scatter, so
-  under ``jax.jit(step, donate_argnums=...)`` the table is updated in place.
+  to its rows (duplicates add up, ids outside ``[0, N)`` are dropped), so under
+  ``jax.jit(step, donate_argnums=...)`` the table is updated in place: on one CPU device by
+  the C++ kernel (rows prefetched ahead, one pass), elsewhere by an XLA scatter.
 
   Args:
     params: the parameter tree.
     updates: a tree of the same structure; some leaves may be ``RowSparse``.
+    backend: ``"auto"`` (the kernel where it can run), ``"kernel"`` or ``"xla"``.
 
   Returns:
     The new params, dtypes unchanged.
@@ -414,6 +449,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
     >>> ak.apply_updates(p, u)["emb"][:, 0]
     Array([0., 1., 0., 0.], dtype=float32)
   """
+  _validate.check_choice("backend", backend, _BACKENDS)
 
   def apply(p, u):
     if p is None:
@@ -422,6 +458,9 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
       if u.shape != tuple(np.shape(p)):
         raise ValueError(f"A RowSparse update of dense shape {u.shape} does not fit a "
                          f"parameter of shape {np.shape(p)}.")
+      p = jnp.asarray(p)
+      if _use_kernel(backend, p, u.values, ids=u.indices):
+        return _kernels.row_add_call(p, u.indices, u.values)
       ids = safe_ids(u.indices, u.num_rows)
       return scatter_rows(p, ids, u.values, add=True)
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)

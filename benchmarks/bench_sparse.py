@@ -1,12 +1,15 @@
 """Sparse Adam benchmark: one lazy step on k touched rows of an (N, D) embedding table.
 
 Prints one table: median step time of ``ak.sparse_adam`` (lazy, jitted, table and state
-donated) against ``torch.optim.SparseAdam`` on the same ids and values, and against a dense
-``ak.adam`` / ``optax.adam`` step fed the dense (N, D) gradient (gradient already made; only
-the optimizer step and the parameter update are timed). Also the scratch memory XLA reserves
-for the compiled lazy step (``compiled.memory_analysis().temp_size_in_bytes``) next to the
-size of the table, and a floor: the same k rows scatter-added into three (N, D) arrays with
-no arithmetic, which shows what the memory system alone costs as N grows. The lazy step and
+donated; ``update`` + ``ak.apply_updates``) on its two backends, the C++ kernel (the default
+on one CPU device) and the XLA gathers/scatters (``backend="xla"``, what other backends and
+sharded tables run), and of the functional op ``ak.fused_sparse_lazy_adam`` (table, m and v
+in one kernel call); against ``torch.optim.SparseAdam`` on the same ids and values, and
+against a dense ``ak.adam`` / ``optax.adam`` step fed the dense (N, D) gradient (gradient
+already made; only the optimizer step and the parameter update are timed). Also the scratch
+memory XLA reserves for the compiled lazy step (``compiled.memory_analysis()``) next to the
+size of the table, and a floor: the same k rows scatter-added by XLA into three (N, D) arrays
+with no arithmetic, which shows what the memory system costs as N grows. The lazy steps and
 the floor are timed round-robin over the table sizes, so that load on a shared machine
 affects every size alike.
 
@@ -51,30 +54,31 @@ def batches(n, k, d, count=4, seed=0):
            rng.normal(size=(k, d)).astype(np.float32)) for _ in range(count)]
 
 
-def interleaved_ms(runners: dict, reps: int, warmup: int = 3) -> dict:
-  """Median ms of each runner, timed round-robin so that a change in the load of a shared
-  machine hits every table size alike (the ratio across sizes is what matters)."""
-  for run in runners.values():
-    for _ in range(warmup):
-      run()
+def interleaved_ms(runners: dict, reps: int, block: int = 8, settle: int = 2) -> dict:
+  """Median ms of each runner. The runners take turns in blocks of ``block`` consecutive
+  steps, the first ``settle`` of each block untimed: every step is timed as it runs in a
+  training loop, right after the previous step of the same optimizer, while a change in the
+  load of a shared machine hits every runner alike (round-robin over the blocks)."""
   times = {key: [] for key in runners}
-  for _ in range(reps):
+  while min(len(t) for t in times.values()) < reps:
     for key, run in runners.items():
-      t0 = time.perf_counter()
-      run()
-      times[key].append(time.perf_counter() - t0)
+      for i in range(block):
+        t0 = time.perf_counter()
+        run()
+        if i >= settle:
+          times[key].append(time.perf_counter() - t0)
   return {key: 1e3 * statistics.median(t) for key, t in times.items()}
 
 
-def ak_sparse_runner(n, d, data):
+def ak_sparse_runner(n, d, data, backend="auto"):
   """A callable doing one jitted lazy step (table and state donated), and the step's
   scratch memory in bytes."""
-  tx = ak.sparse_adam(1e-3)
+  tx = ak.sparse_adam(1e-3, backend=backend)
 
   def step(params, state, ids, vals):
     grads = {"emb": ak.RowSparse(ids, vals, n)}
     updates, state = tx.update(grads, state, params)
-    return ak.apply_updates(params, updates), state
+    return ak.apply_updates(params, updates, backend=backend), state
 
   params = {"emb": jnp.zeros((n, d), jnp.float32)}
   state = tx.init(params)
@@ -92,6 +96,28 @@ def ak_sparse_runner(n, d, data):
     box[:] = [p, s, j + 1]
 
   return run, temp
+
+
+def ak_op_runner(n, d, data):
+  """One jitted ``ak.fused_sparse_lazy_adam`` step (MindSpore's op: the caller keeps the
+  beta powers), table, m and v donated."""
+  b1, b2 = np.float32(0.9), np.float32(0.999)
+
+  def step(var, m, v, t, ids, vals):
+    return ak.fused_sparse_lazy_adam(var, m, v, b1 ** t, b2 ** t, 1e-3, b1, b2, 1e-8, vals,
+                                     ids)
+
+  f = jax.jit(step, donate_argnums=(0, 1, 2))
+  dev = [(jnp.asarray(i), jnp.asarray(v)) for i, v in data]
+  box = [tuple(jnp.zeros((n, d), jnp.float32) for _ in range(3)), 1]
+
+  def run():
+    arrays, t = box
+    arrays = f(*arrays, jnp.float32(t), *dev[t % len(dev)])
+    jax.block_until_ready(arrays)
+    box[:] = [arrays, t + 1]
+
+  return run
 
 
 def floor_runner(n, d, data):
@@ -190,11 +216,13 @@ def main():
         f"{jax.devices()[0].platform} x{len(jax.devices())}; median ms of {args.reps} steps "
         f"({args.dense_reps} for dense)")
   data = {n: batches(n, k, d) for n in sizes}
-  # 1. the lazy step, all sizes round-robin; 2. the bare scatter floor, likewise
-  lazy = {n: ak_sparse_runner(n, d, data[n]) for n in sizes}
-  temps = {n: lazy[n][1] for n in sizes}
-  lazy_ms = interleaved_ms({n: lazy[n][0] for n in sizes}, args.reps)
-  del lazy
+  # 1. the lazy steps, all sizes round-robin; 2. the bare scatter floor, likewise
+  lazy = {(n, b): ak_sparse_runner(n, d, data[n], b) for n in sizes for b in ("auto", "xla")}
+  temps = {n: lazy[n, "auto"][1] for n in sizes}
+  runners = {key: run for key, (run, _) in lazy.items()}
+  runners.update({(n, "op"): ak_op_runner(n, d, data[n]) for n in sizes})
+  lazy_ms = interleaved_ms(runners, args.reps)
+  del lazy, runners
   gc.collect()
   floor_ms = interleaved_ms({n: floor_runner(n, d, data[n]) for n in sizes}, args.reps)
   gc.collect()
@@ -210,26 +238,35 @@ def main():
       gc.collect()
       optax_dense = bench_dense(n, d, data[n], args.dense_reps, "optax")
       gc.collect()
-    rows.append((n, lazy_ms[n], t_ms, ak_dense, optax_dense, temps[n], floor_ms[n]))
+    rows.append((n, lazy_ms[n, "auto"], lazy_ms[n, "op"], lazy_ms[n, "xla"], t_ms, ak_dense,
+                 optax_dense, temps[n], floor_ms[n]))
 
+  kernel = ak.cpu_kernel_available()
+  print(f"ak.sparse_adam: update + ak.apply_updates, backend auto = "
+        f"{'the C++ kernel' if kernel else 'XLA (kernel not built!)'}; op: "
+        "ak.fused_sparse_lazy_adam (one kernel call); xla: backend='xla'")
   table_mb = lambda n: n * d * 4 / 2**20  # noqa: E731
-  cols = [("rows N", 9), ("ak.sparse_adam lazy", 19), ("torch SparseAdam", 16),
-          ("ak.adam dense", 13), ("optax.adam dense", 16), ("torch/ak", 8), ("ak.adam/ak", 10),
-          ("optax/ak", 8), ("3-array scatter floor", 21), ("lazy temp MB", 12),
-          ("table MB", 8)]
+  cols = [("rows N", 9), ("ak.sparse_adam", 14), ("ak op", 9), ("ak xla path", 11),
+          ("torch SparseAdam", 16), ("ak.adam dense", 13), ("optax.adam dense", 16),
+          ("torch/ak", 8), ("torch/op", 8), ("ak.adam/ak", 10), ("ak.adam/op", 10),
+          ("XLA scatter floor", 17), ("temp MB", 7), ("table MB", 8)]
   print()
   print("| " + " | ".join(f"{name:>{w}}" for name, w in cols) + " |")
   print("|" + "|".join("-" * (w + 2) for _, w in cols) + "|")
-  for n, a, t, da, do, temp, fl in rows:
+  for n, a, op, xla, t, da, do, temp, fl in rows:
     temp_mb = float("nan") if temp is None else temp / 2**20
-    print(f"| {n:>9,} | {a:>16.3f} ms | {t:>13.3f} ms | {da:>10.2f} ms | {do:>13.2f} ms "
-          f"| {t / a:>7.2f}x | {da / a:>9.1f}x | {do / a:>7.1f}x | {fl:>18.3f} ms "
-          f"| {temp_mb:>12.3f} | {table_mb(n):>8.0f} |")
+    print(f"| {n:>9,} | {a:>11.3f} ms | {op:>6.3f} ms | {xla:>8.3f} ms | {t:>13.3f} ms "
+          f"| {da:>10.2f} ms | {do:>13.2f} ms | {t / a:>7.2f}x | {t / op:>7.2f}x "
+          f"| {da / a:>9.1f}x | {da / op:>9.1f}x | {fl:>14.3f} ms | {temp_mb:>7.3f} "
+          f"| {table_mb(n):>8.0f} |")
   if len(rows) > 1:
     big, small = rows[-1], rows[0]
-    print(f"\nlazy step, largest / smallest table ({big[0]:,} / {small[0]:,} rows): "
-          f"{big[1] / small[1]:.2f}x (target <= 1.3x); the bare 3-array row scatter grows "
-          f"{big[6] / small[6]:.2f}x over the same range (cache and TLB misses of random rows).")
+    print(f"\nlargest / smallest table ({big[0]:,} / {small[0]:,} rows), target <= 1.3x: "
+          f"ak.sparse_adam {big[1] / small[1]:.2f}x, op {big[2] / small[2]:.2f}x, xla path "
+          f"{big[3] / small[3]:.2f}x; the bare XLA 3-array row scatter grows "
+          f"{big[8] / small[8]:.2f}x over the same range (cache and TLB misses of random rows).")
+  print("optax.adam dense / ak: "
+        + ", ".join(f"{r[0]:,}: {r[6] / r[1]:.1f}x (op {r[6] / r[2]:.1f}x)" for r in rows))
 
 
 if __name__ == "__main__":

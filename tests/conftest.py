@@ -41,7 +41,7 @@ def kernel(tmp_path_factory):
   """Makes adamkit's compiled CPU kernel available, building it into a temp dir if the
   install did not (tests that need it skip where no C++ compiler is found)."""
   import adamkit as ak
-  from adamkit import _fused
+  from adamkit import _kernels
   if ak.cpu_kernel_available():
     yield
     return
@@ -52,7 +52,7 @@ def kernel(tmp_path_factory):
     pytest.skip(f"cannot build the CPU kernel here: {e}")
   mp = pytest.MonkeyPatch()
   mp.setenv("ADAMKIT_CPU_KERNEL", str(out))
-  _fused._registered = None
+  _kernels._registered = None
   assert ak.cpu_kernel_available()
   yield
   mp.undo()

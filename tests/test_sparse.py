@@ -1,5 +1,8 @@
 """Sparse Adam (issue 3): MindSpore golden replays, a float64 NumPy reference, properties,
-bad input, sharding and the memory of the compiled lazy step."""
+bad input, sharding and the memory of the compiled lazy step, on both backends of the lazy
+step (XLA and the C++ kernel)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,15 @@ import adamkit as ak
 
 ISSUE_TOL = 1e-5  # relative to max|init|, what the issue asks
 ROUNDING_TOL = 2e-6  # what float32 rounding gives
+
+
+@pytest.fixture(scope="module", params=["xla", "kernel"])
+def backend(request):
+  """The lazy step's two paths: XLA gathers/scatters, and the C++ kernel (built on demand;
+  auto mode would not pick it in this 8-device test process)."""
+  if request.param == "kernel":
+    request.getfixturevalue("kernel")
+  return request.param
 
 # ------------------------------------------------------------- float64 reference
 
@@ -51,14 +63,16 @@ def rel_err(got, want, scale):
 
 @pytest.mark.parametrize("name,lazy", [("ms_fused_sparse_adam", False),
                                        ("ms_fused_sparse_lazy_adam", True)])
-def test_golden_fused_ops_and_transform(name, lazy):
+def test_golden_fused_ops_and_transform(name, lazy, backend):
   cfg, d = load_golden(name)
   kw = cfg["kwargs"]
   init = d["init/var"]
   scale = float(np.max(np.abs(init)))
-  op = ak.fused_sparse_lazy_adam if lazy else ak.fused_sparse_adam
+  op = (functools.partial(ak.fused_sparse_lazy_adam, backend=backend) if lazy
+        else ak.fused_sparse_adam)
   var, m, v = init, np.zeros_like(init), np.zeros_like(init)
-  tx = ak.sparse_adam(kw["lr"], kw["beta1"], kw["beta2"], kw["epsilon"], lazy=lazy)
+  tx = ak.sparse_adam(kw["lr"], kw["beta1"], kw["beta2"], kw["epsilon"], lazy=lazy,
+                      backend=backend)
   params = {"var": jnp.asarray(init)}
   state = tx.init(params)
   rw, rm, rv = init, np.zeros_like(init), np.zeros_like(init)
@@ -70,7 +84,7 @@ def test_golden_fused_ops_and_transform(name, lazy):
                    vals, ids)
     grads = {"var": ak.RowSparse(ids, vals, init.shape[0])}
     updates, state = tx.update(grads, state, params)
-    params = ak.apply_updates(params, updates)
+    params = ak.apply_updates(params, updates, backend=backend)
     rw, rm, rv = ref_step(rw, rm, rv, ids, vals, t + 1, lr=kw["lr"], lazy=lazy)
     want = d[f"traj/{t}/var"]
     for got in (var, params["var"], rw):
@@ -94,13 +108,14 @@ def test_seed_document_example():
 
 
 @pytest.mark.parametrize("lazy", [True, False])
-def test_nesterov_absent_rows_match_reference(lazy):
+def test_nesterov_absent_rows_match_reference(lazy, backend):
   """MindSpore's CPU kernel is wrong here; the float64 reference is dense Nesterov, g=0."""
   rng = np.random.default_rng(0)
   w = rng.normal(size=(6, 3)).astype(np.float32)
   var, m, v = w, np.zeros_like(w), np.zeros_like(w)
   rw, rm, rv = w, m, v
-  op = ak.fused_sparse_lazy_adam if lazy else ak.fused_sparse_adam
+  op = (functools.partial(ak.fused_sparse_lazy_adam, backend=backend) if lazy
+        else ak.fused_sparse_adam)
   for t in range(1, 4):
     ids = np.array([t, 0, t])
     vals = rng.normal(size=(3, 3)).astype(np.float32)
@@ -117,7 +132,7 @@ def test_nesterov_absent_rows_match_reference(lazy):
 @pytest.mark.parametrize("lazy,nesterov,eps_mode", [
     (True, False, "hat"), (True, True, "corrected"), (False, True, "hat"),
     (False, False, "corrected")])
-def test_transform_with_decay_loss_scale_and_mask(lazy, nesterov, eps_mode):
+def test_transform_with_decay_loss_scale_and_mask(lazy, nesterov, eps_mode, backend):
   rng = np.random.default_rng(1)
   emb = rng.normal(size=(8, 2)).astype(np.float32)
   gamma = rng.normal(size=(8, 2)).astype(np.float32)  # masked out of decay by name
@@ -125,7 +140,7 @@ def test_transform_with_decay_loss_scale_and_mask(lazy, nesterov, eps_mode):
   params = {"emb": jnp.asarray(emb), "gamma": jnp.asarray(gamma), "w": jnp.asarray(dense)}
   lrs = [0.1, 0.05, 0.02]  # a per-step learning-rate list, as in MindSpore
   tx = ak.sparse_adam(lrs, lazy=lazy, nesterov=nesterov, eps_mode=eps_mode,
-                      weight_decay=0.1, loss_scale=4.0)
+                      weight_decay=0.1, loss_scale=4.0, backend=backend)
   step = jax.jit(lambda g, s, p: (lambda u, s: (ak.apply_updates(p, u), s))(
       *tx.update(g, s, p)))
   state = tx.init(params)
@@ -150,14 +165,14 @@ def test_transform_with_decay_loss_scale_and_mask(lazy, nesterov, eps_mode):
     assert rel_err(params["w"], rw_d, 1.0) < ROUNDING_TOL
 
 
-def test_lazy_matches_torch_sparse_adam():
+def test_lazy_matches_torch_sparse_adam(backend):
   """torch.optim.SparseAdam is the same lazy rule (eps on sqrt(v), global step)."""
   torch = pytest.importorskip("torch")
   rng = np.random.default_rng(2)
   w0 = rng.normal(size=(12, 3)).astype(np.float32)
   emb = torch.nn.Parameter(torch.from_numpy(w0.copy()))
   opt = torch.optim.SparseAdam([emb], lr=0.05, betas=(0.8, 0.99), eps=1e-6)
-  tx = ak.sparse_adam(0.05, 0.8, 0.99, 1e-6)
+  tx = ak.sparse_adam(0.05, 0.8, 0.99, 1e-6, backend=backend)
   params = {"e": jnp.asarray(w0)}
   state = tx.init(params)
   for _ in range(3):
@@ -182,11 +197,11 @@ def _values(ids, seed):
   return np.random.default_rng(seed).normal(size=(len(ids), D)).astype(np.float32)
 
 
-def _run(tx, params, grads_seq):
+def _run(tx, params, grads_seq, backend="auto"):
   state = tx.init(params)
   for g in grads_seq:
     updates, state = tx.update(g, state, params)
-    params = ak.apply_updates(params, updates)
+    params = ak.apply_updates(params, updates, backend=backend)
   return params, state
 
 
@@ -200,10 +215,10 @@ def _moments(state):
 
 @settings_
 @given(ids1=ids_st, ids2=ids_st, seed=st.integers(0, 2**16))
-def test_lazy_leaves_absent_rows_bit_identical(ids1, ids2, seed):
+def test_lazy_leaves_absent_rows_bit_identical(ids1, ids2, seed, backend):
   """Rows absent from step 2 keep step 1's values and (non-zero) moments bit for bit."""
   w0 = np.random.default_rng(seed).normal(size=(N, D)).astype(np.float32)
-  tx = ak.sparse_adam(0.1, weight_decay=0.01)
+  tx = ak.sparse_adam(0.1, weight_decay=0.01, backend=backend)
   params = {"emb": jnp.asarray(w0)}
   state = tx.init(params)
   before = None
@@ -236,36 +251,39 @@ def test_non_lazy_equals_dense_adam_on_densified_gradient(ids1, ids2, seed, nest
 
 @settings_
 @given(ids=ids_st, seed=st.integers(0, 2**16), lazy=st.booleans())
-def test_duplicates_equal_their_summed_single_id(ids, seed, lazy):
+def test_duplicates_equal_their_summed_single_id(ids, seed, lazy, backend):
   vals = _values(ids, seed)
   uniq = np.unique(ids)
   summed = np.stack([vals[np.array(ids) == i].sum(0) for i in uniq])
   w0 = {"e": jnp.asarray(np.random.default_rng(seed).normal(size=(N, D)), jnp.float32)}
-  tx = ak.sparse_adam(0.1, lazy=lazy)
-  pa, _ = _run(tx, w0, [{"e": ak.RowSparse(np.array(ids), vals, N)}])
-  pb, _ = _run(tx, w0, [{"e": ak.RowSparse(uniq, summed, N)}])
+  tx = ak.sparse_adam(0.1, lazy=lazy, backend=backend)
+  pa, sa = _run(tx, w0, [{"e": ak.RowSparse(np.array(ids), vals, N)}], backend)
+  pb, sb = _run(tx, w0, [{"e": ak.RowSparse(uniq, summed, N)}], backend)
   np.testing.assert_allclose(np.asarray(pa["e"]), np.asarray(pb["e"]), rtol=0, atol=1e-6)
+  # the first step moves each row by about lr * sign(g): the moments show the sum itself
+  for x, y in ((_moments(sa).mu, _moments(sb).mu), (_moments(sa).nu, _moments(sb).nu)):
+    np.testing.assert_allclose(np.asarray(x["e"]), np.asarray(y["e"]), rtol=1e-6, atol=1e-7)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), nesterov=st.booleans())
-def test_all_rows_sparse_equals_dense_adam(seed, nesterov):
+def test_all_rows_sparse_equals_dense_adam(seed, nesterov, backend):
   rng = np.random.default_rng(seed)
   w0 = {"e": jnp.asarray(rng.normal(size=(N, D)), jnp.float32)}
   perm = rng.permutation(N)
   g = rng.normal(size=(N, D)).astype(np.float32)
-  ps, _ = _run(ak.sparse_adam(0.1, nesterov=nesterov), w0,
+  ps, _ = _run(ak.sparse_adam(0.1, nesterov=nesterov, backend=backend), w0,
                [{"e": ak.RowSparse(perm, g[perm], N)}] * 2)
   pd, _ = _run(ak.adam(0.1, nesterov=nesterov), w0, [{"e": jnp.asarray(g)}] * 2)
   np.testing.assert_allclose(np.asarray(ps["e"]), np.asarray(pd["e"]), rtol=0, atol=1e-6)
 
 
-def test_unique_ids_fast_path_matches_default():
+def test_unique_ids_fast_path_matches_default(backend):
   rng = np.random.default_rng(3)
   w0 = {"e": jnp.asarray(rng.normal(size=(N, D)), jnp.float32)}
   g = [{"e": ak.RowSparse(np.array([4, 1, 7]), _values([4, 1, 7], 3), N)}]
-  pa, _ = _run(ak.sparse_adam(0.1, unique_ids=True), w0, g)
-  pb, _ = _run(ak.sparse_adam(0.1), w0, g)
+  pa, _ = _run(ak.sparse_adam(0.1, unique_ids=True, backend=backend), w0, g)
+  pb, _ = _run(ak.sparse_adam(0.1, backend=backend), w0, g)
   np.testing.assert_array_equal(np.asarray(pa["e"]), np.asarray(pb["e"]))
 
 
@@ -295,21 +313,23 @@ def _jit_step(tx, n):
   return step
 
 
-def test_bad_ids_inside_jit_touch_no_other_row():
+def test_bad_ids_inside_jit_touch_no_other_row(backend):
   w0 = jnp.arange(N * D, dtype=jnp.float32).reshape(N, D)
   params = {"e": w0}
   ids = jnp.array([-1, N, 2**31 - 1, -N, 3, 3], jnp.int32)
   vals = jnp.ones((6, D))
-  for tx in (ak.sparse_adam(0.1), ak.sparse_adam(0.1, unique_ids=True),
-             ak.sparse_adam(0.1, lazy=False)):
+  for tx in (ak.sparse_adam(0.1, backend=backend),
+             ak.sparse_adam(0.1, unique_ids=True, backend=backend),
+             ak.sparse_adam(0.1, lazy=False, backend=backend)):
     new, state = _jit_step(tx, N)(ids, vals, tx.init(params), params)
     changed = np.flatnonzero(np.any(np.asarray(new["e"]) != np.asarray(w0), axis=1))
     assert changed.tolist() == [3]
     s = _moments(state)
     assert np.flatnonzero(np.any(np.asarray(s.nu["e"]) != 0, axis=1)).tolist() == [3]
   # the functional ops follow the same policy
-  var, m, v = jax.jit(ak.fused_sparse_lazy_adam)(w0, w0 * 0, w0 * 0, 0.9, 0.999, 0.1, 0.9,
-                                                  0.999, 1e-8, vals, ids)
+  lazy_op = functools.partial(ak.fused_sparse_lazy_adam, backend=backend)
+  var, m, v = jax.jit(lazy_op)(w0, w0 * 0, w0 * 0, 0.9, 0.999, 0.1, 0.9, 0.999, 1e-8, vals,
+                               ids)
   assert np.flatnonzero(np.any(np.asarray(var) != np.asarray(w0), axis=1)).tolist() == [3]
   var, m, v = jax.jit(ak.fused_sparse_adam)(w0, w0 * 0, w0 * 0, 0.9, 0.999, 0.1, 0.9, 0.999,
                                             1e-8, vals, ids)
@@ -404,11 +424,11 @@ def test_value_and_sparse_grad_matches_dense_grad():
     ak.value_and_sparse_grad(_loss)(params, {"embed": ids[:2]}, ids, y)
 
 
-def test_million_row_table_end_to_end():
+def test_million_row_table_end_to_end(backend):
   """1M x 8 table: the jitted sparse step never builds a (N, D) gradient or temporary."""
   n, d = 1_000_000, 8
   params = {"embed": jnp.zeros((n, d)), "w": jnp.ones((d,))}
-  tx = ak.sparse_adam(0.01)
+  tx = ak.sparse_adam(0.01, backend=backend)
   grad_fn = ak.value_and_sparse_grad(_loss)
 
   def step(params, state, ids, y):
@@ -488,3 +508,141 @@ def test_coalesce_bfloat16_values_under_strict_promotion():
   assert merged.values.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(merged.todense(), np.float32)[[1, 3]],
                                 [[1.0, 1.0], [0.5, 0.5]])
+
+
+# ------------------------------------------------------------ the two lazy backends
+
+
+def _lazy_step(backend, n, **kw):
+  tx = ak.sparse_adam(0.1, backend=backend, **kw)
+
+  def step(params, state, ids, vals):
+    updates, state = tx.update({"e": ak.RowSparse(ids, vals, n)}, state, params)
+    return ak.apply_updates(params, updates, backend=backend), state
+
+  return tx, step
+
+
+@pytest.mark.parametrize("eps_mode,nesterov,unique", [("hat", False, False),
+                                                      ("corrected", True, False),
+                                                      ("hat", True, True)])
+def test_kernel_agrees_with_xla_path(kernel, eps_mode, nesterov, unique):
+  """Same trajectories to float32 rounding (XLA contracts some multiply-adds into FMAs, the
+  kernel does not: a few last-bit differences), and only the kernel path calls the kernel."""
+  rng = np.random.default_rng(11)
+  n, d = 500, 5
+  w0 = {"e": jnp.asarray(rng.normal(size=(n, d)), jnp.float32)}
+  ids_seq = [rng.permutation(n)[:40] if unique else rng.integers(0, n, size=40)
+             for _ in range(3)]
+  vals_seq = [rng.normal(size=(40, d)).astype(np.float32) for _ in ids_seq]
+  out = {}
+  for backend in ("kernel", "xla"):
+    tx, step = _lazy_step(backend, n, eps_mode=eps_mode, nesterov=nesterov,
+                          unique_ids=unique, weight_decay=0.01)
+    params, state = w0, tx.init(w0)
+    jstep = jax.jit(step)
+    for ids, vals in zip(ids_seq, vals_seq):
+      params, state = jstep(params, state, jnp.asarray(ids, jnp.int32), jnp.asarray(vals))
+    out[backend] = (params["e"], _moments(state).mu["e"], _moments(state).nu["e"])
+    text = jstep.lower(params, state, jnp.asarray(ids_seq[0], jnp.int32),
+                       jnp.asarray(vals_seq[0])).as_text()
+    assert ("adamkit_cpu_sparse_lazy" in text) == (backend == "kernel")
+    assert ("adamkit_cpu_row_add" in text) == (backend == "kernel")
+  for got, want in zip(out["kernel"], out["xla"]):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_kernel_is_the_float32_formula_bit_for_bit(kernel, nesterov):
+  """Two lazy steps of the kernel against the formula in float32 NumPy, operation by
+  operation (repeated ids summed in order of occurrence): equal to the last bit."""
+  rng = np.random.default_rng(5)
+  n, d, k = 300, 7, 50
+  f = np.float32
+  w = rng.normal(size=(n, d)).astype(f)
+  m, v = np.zeros_like(w), np.zeros_like(w)
+  jw, jm, jv = (jnp.asarray(x) for x in (w, m, v))
+  b1, b2, eps, lr = f(0.9), f(0.999), f(1e-8), f(0.01)
+  op = jax.jit(functools.partial(ak.fused_sparse_lazy_adam, use_nesterov=nesterov,
+                                 backend="kernel"))
+  for t in (1, 2):
+    ids = rng.integers(0, n, size=k).astype(np.int32)
+    vals = rng.normal(size=(k, d)).astype(f)
+    b1p, b2p = b1 ** f(t), b2 ** f(t)
+    jw, jm, jv = op(jw, jm, jv, b1p, b2p, lr, b1, b2, eps, vals, ids)
+    for i in dict.fromkeys(ids.tolist()):  # distinct ids, first-occurrence order
+      occ = vals[ids == i]
+      g = occ[0].copy()
+      for row in occ[1:]:
+        g = g + row
+      m[i] = b1 * m[i] + (f(1) - b1) * g
+      v[i] = b2 * v[i] + (f(1) - b2) * (g * g)
+      num = b1 * m[i] + (f(1) - b1) * g if nesterov else m[i]
+      c1 = np.sqrt(f(1) - b2p) / (f(1) - b1p)
+      w[i] = w[i] + (-lr * (c1 * num / (np.sqrt(v[i]) + eps)))
+  for got, want in ((jw, w), (jm, m), (jv, v)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_auto_backend_keeps_xla_on_several_devices(kernel):
+  """The kernel has no sharding rule: with more than one device, "auto" keeps the XLA
+  path, which XLA partitions by rows."""
+  if jax.device_count() < 2:
+    pytest.skip("needs several devices")
+  _, step = _lazy_step("auto", 20)
+  tx = ak.sparse_adam(0.1)
+  p = {"e": jnp.zeros((20, 2))}
+  text = jax.jit(step).lower(p, tx.init(p), jnp.arange(3), jnp.ones((3, 2))).as_text()
+  assert "adamkit_cpu_sparse_lazy" not in text
+  var = jnp.zeros((20, 2))
+  text = jax.jit(ak.fused_sparse_lazy_adam).lower(
+      var, var, var, 0.9, 0.999, 0.1, 0.9, 0.999, 1e-8, jnp.ones((3, 2)), jnp.arange(3)).as_text()
+  assert "adamkit_cpu_sparse_lazy" not in text
+
+
+def test_kernel_op_updates_donated_table_in_place(kernel):
+  """The lazy op on the kernel: outputs alias the donated table, m and v, no scratch."""
+  n, d = 200_000, 16
+  op = jax.jit(functools.partial(ak.fused_sparse_lazy_adam, backend="kernel"),
+               donate_argnums=(0, 1, 2))
+  z = jnp.zeros((n, d))
+  compiled = op.lower(z, z, z, 0.9, 0.999, 0.1, 0.9, 0.999, 1e-8, jnp.ones((64, d)),
+                      jnp.arange(64)).compile()
+  mem = compiled.memory_analysis()
+  if mem is None:
+    pytest.skip("no memory analysis on this backend")
+  assert mem.alias_size_in_bytes >= 3 * n * d * 4
+  assert mem.temp_size_in_bytes < n * d * 4 // 50
+
+
+def test_row_add_kernel_equals_xla_scatter(kernel):
+  """ak.apply_updates on the kernel: repeated ids add up in order, bad ids are dropped,
+  the same bits as XLA's scatter-add; in place when the table is donated."""
+  rng = np.random.default_rng(4)
+  n, d = 1000, 6
+  p = {"e": jnp.asarray(rng.normal(size=(n, d)), jnp.float32)}
+  ids = jnp.asarray(np.r_[rng.integers(0, n, size=30), [5, 5, -1, n, 2**31 - 1]], jnp.int32)
+  vals = jnp.asarray(rng.normal(size=(35, d)), jnp.float32)
+
+  def apply(backend, p, ids, vals):  # bad ids are only allowed under jit
+    return ak.apply_updates(p, {"e": ak.RowSparse(ids, vals, n)}, backend=backend)
+
+  got = jax.jit(functools.partial(apply, "kernel"))(p, ids, vals)
+  want = jax.jit(functools.partial(apply, "xla"))(p, ids, vals)
+  np.testing.assert_array_equal(np.asarray(got["e"]), np.asarray(want["e"]))
+  changed = np.flatnonzero(np.any(np.asarray(got["e"]) != np.asarray(p["e"]), axis=1))
+  assert set(changed.tolist()) == set(np.asarray(ids[:32]).tolist())
+  donated = jax.jit(functools.partial(apply, "kernel"), donate_argnums=0)
+  mem = donated.lower(p, ids, vals).compile().memory_analysis()
+  if mem is not None:
+    assert mem.alias_size_in_bytes >= n * d * 4
+
+
+def test_backend_argument_is_checked():
+  with pytest.raises(ValueError, match="backend"):
+    ak.sparse_adam(0.1, backend="gpu")
+  with pytest.raises(ValueError, match="backend"):
+    ak.fused_sparse_lazy_adam(np.ones((2, 1)), np.ones((2, 1)), np.ones((2, 1)), 0.9, 0.999,
+                              0.1, 0.9, 0.999, 1e-8, np.ones((1, 1)), [0], backend="cuda")
+  with pytest.raises(ValueError, match="backend"):
+    ak.apply_updates({"e": jnp.ones(2)}, {"e": jnp.ones(2)}, backend="tpu")

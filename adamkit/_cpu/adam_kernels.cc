@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -26,7 +28,9 @@ namespace {
 // AdaMax:                      u = m / (bc1 * (v + eps))             c1 = bc1
 enum Kind : int64_t { kAdamHat = 0, kAdamCorrected = 1, kAdamax = 2 };
 
-template <int64_t kind, bool nesterov, bool decay>
+// store_u: p is an output that receives the direction u (no learning rate, no decay),
+// for the sparse kernel's updates; otherwise p is the parameter, updated in place.
+template <int64_t kind, bool nesterov, bool decay, bool store_u = false>
 inline __attribute__((always_inline)) void ChunkBody(float* __restrict p, float* __restrict m,
                                                      float* __restrict v,
                                                      const float* __restrict g, const float* s,
@@ -53,25 +57,29 @@ inline __attribute__((always_inline)) void ChunkBody(float* __restrict p, float*
     }
     m[i] = mi;
     v[i] = vi;
-    p[i] = p[i] + (-lr * u);
+    if (store_u) {
+      p[i] = u;
+    } else {
+      p[i] = p[i] + (-lr * u);
+    }
   }
 }
 
 // The loop compiled twice: for the architecture's baseline and, on x86-64, for AVX2
 // (chosen at run time). Same operations, same rounding (no FMA): only the vector width
 // differs, which matters once the memory is fast enough to make sqrt and division count.
-template <int64_t kind, bool nesterov, bool decay>
+template <int64_t kind, bool nesterov, bool decay, bool store_u>
 void Chunk(float* p, float* m, float* v, const float* g, const float* s, int64_t lo,
            int64_t hi) {
-  ChunkBody<kind, nesterov, decay>(p, m, v, g, s, lo, hi);
+  ChunkBody<kind, nesterov, decay, store_u>(p, m, v, g, s, lo, hi);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ADAMKIT_AVX2 1
-template <int64_t kind, bool nesterov, bool decay>
+template <int64_t kind, bool nesterov, bool decay, bool store_u>
 __attribute__((target("avx2"))) void ChunkAvx2(float* p, float* m, float* v, const float* g,
                                                const float* s, int64_t lo, int64_t hi) {
-  ChunkBody<kind, nesterov, decay>(p, m, v, g, s, lo, hi);
+  ChunkBody<kind, nesterov, decay, store_u>(p, m, v, g, s, lo, hi);
 }
 
 bool HasAvx2() {
@@ -85,16 +93,69 @@ bool HasAvx2() {
 
 using ChunkFn = void (*)(float*, float*, float*, const float*, const float*, int64_t, int64_t);
 
-template <int64_t kind>
-ChunkFn Pick(bool nesterov, bool decay) {
+template <int64_t kind, bool store_u>
+ChunkFn PickStore(bool nesterov, bool decay) {
 #ifdef ADAMKIT_AVX2
   if (HasAvx2()) {
-    if (nesterov) return decay ? ChunkAvx2<kind, true, true> : ChunkAvx2<kind, true, false>;
-    return decay ? ChunkAvx2<kind, false, true> : ChunkAvx2<kind, false, false>;
+    if (nesterov) {
+      return decay ? ChunkAvx2<kind, true, true, store_u> : ChunkAvx2<kind, true, false, store_u>;
+    }
+    return decay ? ChunkAvx2<kind, false, true, store_u> : ChunkAvx2<kind, false, false, store_u>;
   }
 #endif
-  if (nesterov) return decay ? Chunk<kind, true, true> : Chunk<kind, true, false>;
-  return decay ? Chunk<kind, false, true> : Chunk<kind, false, false>;
+  if (nesterov) return decay ? Chunk<kind, true, true, store_u> : Chunk<kind, true, false, store_u>;
+  return decay ? Chunk<kind, false, true, store_u> : Chunk<kind, false, false, store_u>;
+}
+
+ChunkFn Pick(int64_t kind, bool nesterov, bool decay, bool store_u = false) {
+  if (store_u) {
+    return kind == kAdamHat ? PickStore<kAdamHat, true>(nesterov, false)
+         : kind == kAdamCorrected ? PickStore<kAdamCorrected, true>(nesterov, false)
+                                  : PickStore<kAdamax, true>(nesterov, false);
+  }
+  return kind == kAdamHat ? PickStore<kAdamHat, false>(nesterov, decay)
+       : kind == kAdamCorrected ? PickStore<kAdamCorrected, false>(nesterov, decay)
+                                : PickStore<kAdamax, false>(nesterov, decay);
+}
+
+int64_t Threads(ffi::ThreadPool& pool) { return std::max<int64_t>(pool.num_threads(), 1); }
+
+// Calls body(lo, hi) over [0, total) in chunks of `chunk` items, on the calling thread and
+// on helpers scheduled on XLA's intra-op pool. A single chunk runs inline. Chunks are
+// claimed from a shared counter; the caller waits only for chunks already claimed, which are
+// running: a helper that starts late (the pool busy, e.g. with another call of a kernel)
+// finds no work and returns, so a kernel cannot deadlock on its own pool. The shared state
+// lives on the heap because a helper may start after the call has returned (it then touches
+// the counters only, never `body`).
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t chunk, const Body& body) {
+  const int64_t chunks = (total + chunk - 1) / chunk;
+  const int64_t threads = Threads(pool);
+  if (chunks <= 1 || threads <= 1) {
+    if (total > 0) body(0, total);
+    return;
+  }
+  struct Work {
+    std::function<void(int64_t, int64_t)> body;
+    int64_t total, chunk, chunks;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto work = std::make_shared<Work>();
+  work->body = body;
+  work->total = total;
+  work->chunk = chunk;
+  work->chunks = chunks;
+  auto drain = [](Work& w) {
+    for (int64_t c; (c = w.next.fetch_add(1, std::memory_order_relaxed)) < w.chunks;) {
+      w.body(c * w.chunk, std::min(w.total, (c + 1) * w.chunk));
+      w.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < std::min(threads, chunks); ++t) {
+    pool.Schedule([work, drain] { drain(*work); });
+  }
+  drain(*work);
+  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
 }
 
 struct Leaf {
@@ -165,49 +226,189 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
                      g->typed_data(), n};
     total += n;
   }
-  ChunkFn fn = kind == kAdamHat ? Pick<kAdamHat>(nesterov, decay)
-             : kind == kAdamCorrected ? Pick<kAdamCorrected>(nesterov, decay)
-                                      : Pick<kAdamax>(nesterov, decay);
+  ChunkFn fn = Pick(kind, nesterov, decay);
   const float* s = scalars.typed_data();
 
   // Small steps run on the calling thread: scheduling costs more than it saves.
   constexpr int64_t kMinPerChunk = 1 << 16;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  if (threads <= 1 || total < 2 * kMinPerChunk) {
+  if (total < 2 * kMinPerChunk) {
     RunRange(fn, leaves, s, 0, total);
     return ffi::Error::Success();
   }
-  // Chunks of the concatenated leaves (cut on 16-float cache-line boundaries) are claimed
-  // from a shared counter by the calling thread and by helpers scheduled on XLA's pool. The
-  // caller waits only for chunks already claimed, which are running: a helper that starts
-  // late (the pool busy, e.g. with another call of this kernel) finds no work and returns,
-  // so the kernel cannot deadlock on its own pool. The shared state lives on the heap
-  // because a helper may start after the call has returned.
-  struct Work {
-    std::vector<Leaf> leaves;
-    ChunkFn fn;
-    const float* s;
-    int64_t total, chunk, chunks;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto work = std::make_shared<Work>();
-  work->leaves = std::move(leaves);
-  work->fn = fn;
-  work->s = s;
-  work->total = total;
-  work->chunk = std::max<int64_t>(kMinPerChunk, (total / (4 * threads)) & ~int64_t{15});
-  work->chunks = (total + work->chunk - 1) / work->chunk;
-  auto drain = [](Work& w) {
-    for (int64_t c; (c = w.next.fetch_add(1, std::memory_order_relaxed)) < w.chunks;) {
-      RunRange(w.fn, w.leaves, w.s, c * w.chunk, std::min(w.total, (c + 1) * w.chunk));
-      w.done.fetch_add(1, std::memory_order_release);
+  const int64_t chunk = std::max<int64_t>(kMinPerChunk, (total / (4 * Threads(pool))) &
+                                                           ~int64_t{15});
+  ParallelFor(pool, total, chunk, [&leaves, fn, s](int64_t lo, int64_t hi) {
+    RunRange(fn, leaves, s, lo, hi);
+  });
+  return ffi::Error::Success();
+}
+
+// The lazy sparse step (MindSpore FusedSparseLazyAdam): Adam on the distinct rows named by
+// `ids` only, each row's table, m and v read and written once, in place.
+//
+// Arguments: scalars (f32[9], as above; lr and wd unused when apply is false), ids (s32[k]),
+// gradient rows (f32[k, *row]), m, v (the table's moments: `num_rows` rows from element
+// `offset` of each buffer, which may hold other leaves too) and, when `apply`, the table
+// (f32[num_rows, *row]). Results: m, v, then the table (apply) or, without apply, the
+// distinct ids (s32[k]: first-occurrence order, then num_rows in unused slots) and their
+// directions u (f32[k, *row], zeros in unused slots). Ids outside [0, num_rows) are skipped
+// (MindSpore drops them). With `merge`, duplicate ids are summed in the order they occur (as
+// a scatter-add does) into one row; without it each occurrence is its own row (the caller
+// promised unique ids).
+ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
+                      ffi::BufferR1<ffi::S32> ids, ffi::Buffer<ffi::F32> grad,
+                      ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t kind,
+                      bool nesterov, bool apply, bool merge, int64_t offset, int64_t rows) {
+  if (scalars.element_count() != 9) {
+    return ffi::Error::InvalidArgument("adamkit sparse step: expected 9 scalars");
+  }
+  if (args.size() != (apply ? 3u : 2u) || rets.size() != (apply ? 3u : 4u)) {
+    return ffi::Error::InvalidArgument("adamkit sparse step: wrong number of operands");
+  }
+  const int64_t k = static_cast<int64_t>(ids.element_count());
+  const int64_t width = k ? static_cast<int64_t>(grad.element_count()) / k : 0;
+  if (width * k != static_cast<int64_t>(grad.element_count())) {
+    return ffi::Error::InvalidArgument("adamkit sparse step: gradient rows do not match ids");
+  }
+  float* bufs[3] = {nullptr, nullptr, nullptr};  // m, v, the table
+  for (size_t j = 0; j < args.size(); ++j) {
+    auto in = args.get<ffi::Buffer<ffi::F32>>(j);
+    auto out = rets.get<ffi::Buffer<ffi::F32>>(j);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    const int64_t n = static_cast<int64_t>(in->element_count());
+    const bool ok = j < 2 ? offset >= 0 && offset + rows * width <= n : n == rows * width;
+    if (!ok || rows < 0) {
+      return ffi::Error::InvalidArgument("adamkit sparse step: buffer sizes do not match");
+    }
+    bufs[j] = (*out)->typed_data();
+    if (bufs[j] != in->typed_data()) std::copy_n(in->typed_data(), n, bufs[j]);
+  }
+  const int32_t* id = ids.typed_data();
+  const float* g = grad.typed_data();
+
+  // Distinct valid ids in first-occurrence order; next[pos] chains later occurrences.
+  std::vector<int32_t> uid, first, last;
+  std::vector<int32_t> next(k, -1);
+  uid.reserve(k);
+  first.reserve(k);
+  if (merge) {
+    int shift = 32;
+    int64_t cap = 1;
+    while (cap < 2 * k) cap <<= 1, --shift;
+    std::vector<int32_t> slot(cap, -1);
+    last.reserve(k);
+    for (int64_t pos = 0; pos < k; ++pos) {
+      const int32_t i = id[pos];
+      if (i < 0 || i >= rows) continue;
+      uint32_t h = shift < 32 ? (static_cast<uint32_t>(i) * 2654435761u) >> shift : 0;
+      while (slot[h] >= 0 && uid[slot[h]] != i) h = (h + 1) & (cap - 1);
+      if (slot[h] < 0) {
+        slot[h] = static_cast<int32_t>(uid.size());
+        uid.push_back(i);
+        first.push_back(static_cast<int32_t>(pos));
+        last.push_back(static_cast<int32_t>(pos));
+      } else {
+        next[last[slot[h]]] = static_cast<int32_t>(pos);
+        last[slot[h]] = static_cast<int32_t>(pos);
+      }
+    }
+  } else {
+    for (int64_t pos = 0; pos < k; ++pos) {
+      if (id[pos] >= 0 && id[pos] < rows) {
+        uid.push_back(id[pos]);
+        first.push_back(static_cast<int32_t>(pos));
+      }
+    }
+  }
+  const int64_t distinct = static_cast<int64_t>(uid.size());
+
+  float* u_out = nullptr;
+  if (!apply) {
+    auto ids_out = rets.get<ffi::Buffer<ffi::S32>>(2);
+    auto dir = rets.get<ffi::Buffer<ffi::F32>>(3);
+    if (ids_out.has_error()) return ids_out.error();
+    if (dir.has_error()) return dir.error();
+    int32_t* io = (*ids_out)->typed_data();
+    std::copy(uid.begin(), uid.end(), io);
+    std::fill(io + distinct, io + k, static_cast<int32_t>(rows));
+    u_out = (*dir)->typed_data();
+    std::fill(u_out + distinct * width, u_out + k * width, 0.0f);
+  }
+
+  ChunkFn fn = Pick(kind, nesterov, /*decay=*/false, /*store_u=*/!apply);
+  const float* s = scalars.typed_data();
+  float* m = bufs[0] + offset;
+  float* v = bufs[1] + offset;
+  float* p = bufs[2];
+  const int64_t lines = std::min<int64_t>((width * 4 + 63) / 64, 16);
+  auto body = [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc;
+    constexpr int64_t kAhead = 4;  // rows prefetched ahead: random rows miss every cache
+    for (int64_t r = lo; r < hi; ++r) {
+      if (r + kAhead < hi) {
+        const int64_t at = static_cast<int64_t>(uid[r + kAhead]) * width;
+        for (int64_t c = 0; c < lines; ++c) {
+          __builtin_prefetch(m + at + 16 * c, 1);
+          __builtin_prefetch(v + at + 16 * c, 1);
+          if (apply) __builtin_prefetch(p + at + 16 * c, 1);
+        }
+      }
+      const float* row = g + static_cast<int64_t>(first[r]) * width;
+      if (merge && next[first[r]] >= 0) {
+        acc.assign(row, row + width);
+        for (int32_t q = next[first[r]]; q >= 0; q = next[q]) {
+          const float* more = g + static_cast<int64_t>(q) * width;
+          for (int64_t j = 0; j < width; ++j) acc[j] = acc[j] + more[j];
+        }
+        row = acc.data();
+      }
+      const int64_t at = static_cast<int64_t>(uid[r]) * width;
+      fn(apply ? p + at : u_out + r * width, m + at, v + at, row, s, 0, width);
     }
   };
-  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t) {
-    pool.Schedule([work, drain] { drain(*work); });
+  // Split over the pool only when there is enough work (about 64k floats per chunk).
+  const int64_t per_chunk = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(width, 1));
+#ifdef SPARSE_ONE_THREAD
+  body(0, distinct); (void)per_chunk;
+#else
+  ParallelFor(pool, distinct, std::max(per_chunk, (distinct + Threads(pool) - 1) / Threads(pool)),
+              body);
+#endif
+  return ffi::Error::Success();
+}
+
+// The row scatter-add of adamkit.apply_updates: table[ids[i]] += rows[i] for each i in
+// order (repeated ids add up, as XLA's scatter-add; ids outside [0, N) are skipped), in
+// place when the caller donates the table. One thread: k rows are little work, and rows
+// with repeated ids must not race.
+ffi::Error RowAdd(ffi::BufferR1<ffi::S32> ids, ffi::Buffer<ffi::F32> rows_in,
+                  ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t k = static_cast<int64_t>(ids.element_count());
+  const int64_t size = static_cast<int64_t>(table.element_count());
+  const int64_t width = k ? static_cast<int64_t>(rows_in.element_count()) / k : 0;
+  if (width * k != static_cast<int64_t>(rows_in.element_count())) {
+    return ffi::Error::InvalidArgument("adamkit row add: rows do not match ids");
   }
-  drain(*work);
-  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+  float* p = out->typed_data();
+  if (p != table.typed_data()) std::copy_n(table.typed_data(), size, p);
+  if (width == 0) return ffi::Error::Success();
+  const int64_t rows = size / width;
+  const int32_t* id = ids.typed_data();
+  const float* u = rows_in.typed_data();
+  const int64_t lines = std::min<int64_t>((width * 4 + 63) / 64, 16);
+  constexpr int64_t kAhead = 4;
+  for (int64_t r = 0; r < k; ++r) {
+    if (r + kAhead < k && id[r + kAhead] >= 0 && id[r + kAhead] < rows) {
+      const int64_t at = static_cast<int64_t>(id[r + kAhead]) * width;
+      for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(p + at + 16 * c, 1);
+    }
+    const int32_t i = id[r];
+    if (i < 0 || i >= rows) continue;
+    float* dst = p + static_cast<int64_t>(i) * width;
+    const float* src = u + r * width;
+    for (int64_t j = 0; j < width; ++j) dst[j] = dst[j] + src[j];
+  }
   return ffi::Error::Success();
 }
 
@@ -223,3 +424,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStep, Step,
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("decay")
                                   .Attr<int64_t>("offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuSparseLazy, SparseLazy,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::F32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("apply")
+                                  .Attr<bool>("merge")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("num_rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuRowAdd, RowAdd,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
