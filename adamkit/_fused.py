@@ -42,6 +42,7 @@ from jax import lax
 from adamkit import _adam, _kernels, _masks, _schedules, _validate
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
+from adamkit._sparse_types import RowSparse, gather_rows, safe_ids, scatter_rows
 
 _LEAVES_PER_CALL = 32  # multi-tensor: leaves per kernel call
 _MIN_LEAF = 1 << 15  # per leaf, backend="auto": smaller leaves stay in XLA
@@ -84,15 +85,50 @@ def _flat_layout(leaves, dtype_of) -> tuple[list[_Slot], dict[str, int]]:
   return slots, sizes
 
 
+def _dense_xla(kind, p, g, m, v, *, decay, wd, lr, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
+  """One dense leaf in plain JAX, with the reference's rounding points: the direction in the
+  gradient's dtype, then the learning-rate link, then optax.apply_updates in the params'
+  dtype. Returns ``(p, m, v)``."""
+  if decay:
+    g = g + (wd * p.astype(jnp.float32)).astype(g.dtype)
+  g_dtype = g.dtype
+  dt = compute_dtype(g)
+  g = g.astype(dt)
+  if kind == "adamax":
+    u, m2, v2 = adamax_direction(g, m.astype(dt), v.astype(dt), b1=b1, b2=b2, eps=eps, bc1=bc1)
+  else:
+    u, m2, v2 = _adam.adam_direction(g, m.astype(dt), v.astype(dt), b1=b1, b2=b2, eps=eps,
+                                     bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
+  u = u.astype(g_dtype)
+  step = (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
+  return (p + step).astype(p.dtype), m2.astype(m.dtype), v2.astype(v.dtype)
+
+
+def _lazy_rows_xla(p, g: RowSparse, m, v, *, lr, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
+  """One lazy row-sparse leaf in plain JAX (``g`` already merged): the rows of ``g`` move
+  as in ``ak.sparse_adam`` + ``ak.apply_updates``; every other row is untouched."""
+  ids = safe_ids(g.indices, g.num_rows)
+  dt = compute_dtype(g.values)
+  u, m2, v2 = _adam.adam_direction(
+      g.values.astype(dt), gather_rows(m, ids).astype(dt), gather_rows(v, ids).astype(dt),
+      b1=b1, b2=b2, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
+  u = u.astype(g.dtype)
+  step = (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
+  return (scatter_rows(p, ids, step, add=True), scatter_rows(m, ids, m2.astype(m.dtype)),
+          scatter_rows(v, ids, v2.astype(v.dtype)))
+
+
 # --------------------------------------------------------------------- the fused step
 
 
 def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_decay,
-           weight_decay_mask, mu_dtype, nu_dtype, multi_tensor, backend) -> FusedStep:
+           weight_decay_mask, mu_dtype, nu_dtype, multi_tensor, backend, lazy=True,
+           unique_ids=False) -> FusedStep:
   _adam.check_adam_hyper(b1, b2, eps)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
-  _validate.check_bool("nesterov", nesterov)
-  _validate.check_bool("multi_tensor", multi_tensor)
+  for name, flag in (("nesterov", nesterov), ("multi_tensor", multi_tensor), ("lazy", lazy),
+                     ("unique_ids", unique_ids)):
+    _validate.check_bool(name, flag)
   _validate.check_choice("backend", backend, ("auto", "kernel", "xla"))
   if not callable(weight_decay):
     _validate.check_non_negative("weight_decay", weight_decay)
@@ -144,6 +180,22 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     keep = _masks.resolve_mask(weight_decay_mask, params) if decays else None
     k_l = [bool(k) for k in treedef.flatten_up_to(keep)] if decays else [False] * len(leaves)
     new_p, new_m, new_v = list(leaves), list(m_l), list(v_l)
+    # Row-sparse gradients, as in ak.sparse_adam: the touched rows decay, once per
+    # occurrence (MindSpore's rule); then the lazy row step below, or (lazy=False) the
+    # dense step on the densified gradient.
+    sparse = [i for i, g in enumerate(g_l) if isinstance(g, RowSparse)]
+    if sparse and algo == "adamax":
+      raise TypeError("fused_adamax takes dense gradients (AdaMax has no row-sparse form in "
+                      "MindSpore or Paddle): pass `g.todense()` for a RowSparse leaf.")
+    for i in sparse:
+      g = g_l[i]
+      if k_l[i]:
+        rows = gather_rows(leaves[i], safe_ids(g.indices, g.num_rows))
+        g = g.with_values(g.values + (wd * rows.astype(jnp.float32)).astype(g.dtype))
+        k_l[i] = False
+      g_l[i] = g if lazy else g.todense(like=leaves[i])
+    if not lazy:
+      sparse = []
 
     def is_f32(i):
       same = not multi_tensor or m_slots[i].offset == v_slots[i].offset  # one offset/call
@@ -155,10 +207,26 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     use_kernel = backend == "kernel" or (backend == "auto" and _kernels.on_cpu(params)
                                          and _kernels.cpu_kernel_available())
     # Per leaf, a kernel call costs more than XLA's fused loop on a small leaf.
-    on_kernel = [i for i in range(len(leaves)) if use_kernel and is_f32(i)
+    on_kernel = [i for i in range(len(leaves)) if use_kernel and is_f32(i) and i not in sparse
                  and (multi_tensor or backend == "kernel" or leaves[i].size >= _MIN_LEAF)]
-    if on_kernel:
+    # A lazy row step runs on the kernel on one CPU device (auto), or when forced.
+    on_sparse_kernel = [i for i in sparse if use_kernel and is_f32(i)
+                        and g_l[i].indices.dtype == jnp.int32
+                        and (backend == "kernel" or _kernels.sparse_kernel_usable(
+                            leaves[i], g_l[i].values, m_l[i], v_l[i], ids=g_l[i].indices))]
+    if on_kernel or on_sparse_kernel:
       scalars = _kernels.kernel_scalars(kind, b1_, b2_, eps_, lr, wd, bc1, bc2)
+    for i in on_sparse_kernel:
+      g = g_l[i]
+      args = (kind, nesterov, not unique_ids, scalars, g.indices, g.values)
+      if multi_tensor:
+        key = m_slots[i].buffer
+        mu[key], nu[key], new_p[i] = _kernels.sparse_lazy_call(
+            *args, mu[key], nu[key], leaves[i], num_rows=g.num_rows, offset=m_slots[i].offset)
+      else:
+        new_m[i], new_v[i], new_p[i] = _kernels.sparse_lazy_call(
+            *args, m_l[i], v_l[i], leaves[i], num_rows=g.num_rows)
+    if on_kernel:
       if multi_tensor:
         # Runs of consecutive float32 leaves with one decay flag, at most _LEAVES_PER_CALL
         # each (XLA's compile time grows faster than linearly in a call's operand count).
@@ -182,28 +250,18 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
           (new_p[i],), new_m[i], new_v[i] = _kernels.dense_call(
               kind, nesterov, k_l[i], 0, scalars, [leaves[i]], [g_l[i]], m_l[i], v_l[i])
 
-    done = set(on_kernel)
+    done = set(on_kernel) | set(on_sparse_kernel)
     for i, (p, g, m, v) in enumerate(zip(leaves, g_l, m_l, v_l)):
       if i in done:
         continue
-      if k_l[i]:
-        g = g + (wd * p.astype(jnp.float32)).astype(g.dtype)
-      g_dtype = g.dtype
-      dt = compute_dtype(g)
-      g = g.astype(dt)
-      if kind == "adamax":
-        u, m2, v2 = adamax_direction(g, m.astype(dt), v.astype(dt), b1=b1_, b2=b2_, eps=eps_,
-                                     bc1=bc1)
+      if i in sparse:
+        new_p[i], new_m[i], new_v[i] = _lazy_rows_xla(
+            p, g if unique_ids else g.coalesce(), m, v, lr=lr, b1=b1_, b2=b2_, eps=eps_,
+            bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
       else:
-        u, m2, v2 = _adam.adam_direction(g, m.astype(dt), v.astype(dt), b1=b1_, b2=b2_,
-                                         eps=eps_, bc1=bc1, bc2=bc2, eps_mode=eps_mode,
-                                         nesterov=nesterov)
-      # The reference's rounding points: the direction in the gradient's dtype, then the
-      # learning-rate link, then optax.apply_updates in the params' dtype.
-      u = u.astype(g_dtype)
-      step = (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
-      new_p[i] = (p + step).astype(p.dtype)
-      new_m[i], new_v[i] = m2.astype(m.dtype), v2.astype(v.dtype)
+        new_p[i], new_m[i], new_v[i] = _dense_xla(
+            kind, p, g, m, v, decay=k_l[i], wd=wd, lr=lr, b1=b1_, b2=b2_, eps=eps_, bc1=bc1,
+            bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
       if multi_tensor:  # back into the flat buffers, in place
         ms, vs = m_slots[i], v_slots[i]
         mu[ms.buffer] = lax.dynamic_update_slice(mu[ms.buffer], new_m[i].ravel(), (ms.offset,))
@@ -224,8 +282,10 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
                nesterov: bool = False, weight_decay: Any = 0.0,
                weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
                mu_dtype: Any = None, nu_dtype: Any = None, multi_tensor: bool = True,
-               backend: str = "auto") -> FusedStep:
-  r"""Adam as one fused step that returns the new params (the fast path of :func:`adam`).
+               backend: str = "auto", lazy: bool = True,
+               unique_ids: bool = False) -> FusedStep:
+  r"""Adam as one fused step that returns the new params (the fast path of :func:`adam`
+  and, for row-sparse gradients, of :func:`sparse_adam`).
 
   .. math::
 
@@ -239,6 +299,13 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
   same options, computed in one pass: on CPU by a C++ kernel through ``jax.ffi`` when it is
   built (:func:`build_cpu_kernel`), else by plain JAX. Jit ``step(params, state, grads)``
   with ``donate_argnums=(0, 1)`` so the kernel works in place.
+
+  A gradient leaf may be a :class:`adamkit.RowSparse` (an embedding table's rows). With
+  ``lazy=True`` only its rows move, as in ``ak.sparse_adam(...)`` + ``ak.apply_updates``
+  (MindSpore ``FusedSparseLazyAdam``; decay per occurrence of a touched row): on one CPU
+  device one kernel call merges the ids and reads and writes each touched row of the table
+  and of both moments once, in place, so the step costs ``O(k)`` for ``k`` ids whatever the
+  table size. ``lazy=False`` densifies it (``FusedSparseAdam``: every row moves).
 
   .. warning::
     Not an ``optax.GradientTransformation``: ``step`` returns the new params, because the
@@ -254,14 +321,26 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       runs of up to 32 float32 leaves per kernel call (Paddle ``use_multi_tensor``);
       ``False``: state shaped like the params, one kernel call per leaf of at least 32K
       elements (smaller leaves: XLA).
-    backend: ``"auto"`` (the kernel for float32 leaves on CPU when built, JAX otherwise),
-      ``"kernel"`` (error if not built) or ``"xla"`` (pure JAX).
+    backend: ``"auto"`` (the kernel for float32 leaves on CPU when built, JAX otherwise;
+      row-sparse leaves: on one CPU device), ``"kernel"`` (error if not built) or ``"xla"``
+      (pure JAX).
+    lazy: a ``RowSparse`` gradient moves its rows only (default) or is densified.
+    unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
+      merge (as in :func:`sparse_adam`).
 
   Returns:
     A :class:`FusedStep` ``(init, step)``, state :class:`FusedAdamState`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, adamkit as ak
+    >>> opt = ak.fused_adam(0.1)
+    >>> params = {"emb": jnp.zeros((1_000_000, 4))}
+    >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
+    >>> grads = {"emb": ak.RowSparse(jnp.array([7, 7, 42]), jnp.ones((3, 4)), 1_000_000)}
+    >>> params, state = step(params, opt.init(params), grads)  # 2 rows of 1M move
+    >>> jnp.flatnonzero(params["emb"][:, 0]).tolist()  # each moved by about -lr * sign(g)
+    [7, 42]
+
     >>> opt = ak.fused_adam(0.1, eps_mode="corrected")
     >>> params = {"w": jnp.array([1.0, -2.0])}
     >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
@@ -276,7 +355,7 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
   return _fused("adam", learning_rate, b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov,
                 weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                 mu_dtype=mu_dtype, nu_dtype=nu_dtype, multi_tensor=multi_tensor,
-                backend=backend)
+                backend=backend, lazy=lazy, unique_ids=unique_ids)
 
 
 def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,

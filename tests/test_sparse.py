@@ -646,3 +646,77 @@ def test_backend_argument_is_checked():
                               0.1, 0.9, 0.999, 1e-8, np.ones((1, 1)), [0], backend="cuda")
   with pytest.raises(ValueError, match="backend"):
     ak.apply_updates({"e": jnp.ones(2)}, {"e": jnp.ones(2)}, backend="tpu")
+
+
+# ------------------------------------------------- the fused step with row-sparse leaves
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False])
+@pytest.mark.parametrize("lazy,nesterov,eps_mode,unique", [
+    (True, False, "hat", False), (True, True, "corrected", False), (True, False, "hat", True),
+    (False, True, "hat", False)])
+def test_fused_step_with_row_sparse_leaves_equals_sparse_adam(backend, multi_tensor, lazy,
+                                                               nesterov, eps_mode, unique):
+  """ak.fused_adam(...).step on a tree mixing RowSparse tables and dense leaves equals
+  ak.sparse_adam + ak.apply_updates with the same options (to float32 rounding: the kernel
+  does not contract multiply-adds, XLA does); untouched rows and their moments keep their
+  bits; only the kernel backend calls the kernel."""
+  rng = np.random.default_rng(21)
+  n, d = 300, 4
+  params = {"emb": jnp.asarray(rng.normal(size=(n, d)), jnp.float32),
+            "gamma": jnp.asarray(rng.normal(size=(n, d)), jnp.float32),  # no decay (name)
+            "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
+  kw = dict(eps_mode=eps_mode, nesterov=nesterov, weight_decay=0.01, lazy=lazy,
+            unique_ids=unique)
+  opt = ak.fused_adam(0.05, backend=backend, multi_tensor=multi_tensor, **kw)
+  tx = ak.sparse_adam(0.05, backend="xla", **kw)
+  step = jax.jit(opt.step)
+  fp, fs = params, opt.init(params)
+  rp, rs = params, tx.init(params)
+  touched = set()
+  for t in range(3):
+    ids = (rng.permutation(n)[:20] if unique else rng.integers(0, n, size=20)).astype(np.int32)
+    touched |= set(ids.tolist())
+    grads = {"emb": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
+             "gamma": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
+             "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
+    fp, fs = step(fp, fs, grads)
+    updates, rs = tx.update(grads, rs, rp)
+    rp = ak.apply_updates(rp, updates, backend="xla")
+  for name in params:
+    np.testing.assert_allclose(np.asarray(fp[name]), np.asarray(rp[name]), rtol=1e-6,
+                               atol=1e-7, err_msg=name)
+  if lazy:
+    untouched = np.setdiff1d(np.arange(n), sorted(touched))
+    np.testing.assert_array_equal(np.asarray(fp["emb"])[untouched],
+                                  np.asarray(params["emb"])[untouched])
+    if not multi_tensor:
+      np.testing.assert_array_equal(np.asarray(fs.mu["emb"])[untouched], 0)
+  text = step.lower(fp, fs, grads).as_text()
+  assert ("adamkit_cpu_sparse_lazy" in text) == (backend == "kernel" and lazy)
+
+
+def test_fused_step_million_row_table_in_place(kernel):
+  """The fused sparse step on a 1M-row table: no (N, D) scratch, table and flat moments
+  updated in place (outputs alias the donated inputs)."""
+  n, d = 1_000_000, 8
+  opt = ak.fused_adam(0.01, backend="kernel")
+  params = {"embed": jnp.zeros((n, d)), "w": jnp.ones((d,))}
+  state = opt.init(params)
+  grads = {"embed": ak.RowSparse(jnp.array([0, 17, 17, 999_999]), jnp.ones((4, d)), n),
+           "w": jnp.ones((d,))}
+  jstep = jax.jit(opt.step, donate_argnums=(0, 1))
+  mem = jstep.lower(params, state, grads).compile().memory_analysis()
+  if mem is not None:
+    assert mem.temp_size_in_bytes < n * d * 4 // 50, mem.temp_size_in_bytes
+    assert mem.alias_size_in_bytes >= 3 * n * d * 4, mem.alias_size_in_bytes
+  params, state = jstep(params, state, grads)
+  moved = np.flatnonzero(np.any(np.asarray(params["embed"]) != 0, axis=1))
+  assert moved.tolist() == [0, 17, 999_999]
+
+
+def test_fused_adamax_refuses_row_sparse():
+  opt = ak.fused_adamax(0.1)
+  params = {"e": jnp.zeros((4, 2))}
+  with pytest.raises(TypeError, match="todense"):
+    opt.step(params, opt.init(params), {"e": ak.RowSparse(jnp.array([1]), jnp.ones((1, 2)), 4)})
