@@ -674,7 +674,7 @@ def test_fused_step_with_row_sparse_leaves_equals_sparse_adam(backend, multi_ten
   fp, fs = params, opt.init(params)
   rp, rs = params, tx.init(params)
   touched = set()
-  for t in range(3):
+  for _ in range(3):
     ids = (rng.permutation(n)[:20] if unique else rng.integers(0, n, size=20)).astype(np.int32)
     touched |= set(ids.tolist())
     grads = {"emb": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
