@@ -3,7 +3,10 @@
 A batch that looks up ``k`` rows of an ``(N, D)`` table has a gradient with ``k`` non-zero
 rows. Here that gradient is a :class:`adamkit.RowSparse` and the lazy step costs
 ``O(k D)``: gather the touched rows of the table and moments, update them, scatter them
-back (in place under ``jax.jit(..., donate_argnums=...)``). Row ids outside ``[0, N)``
+back (in place under ``jax.jit(..., donate_argnums=...)``). On one CPU device a C++ kernel
+(``adamkit/_cpu/adam_kernels.cc``) does this in one pass: duplicate ids merged in a hash
+table, each touched row read and written once, rows prefetched ahead; elsewhere (GPU, TPU,
+tables sharded over several devices, other dtypes) XLA gathers and scatters do it. Row ids outside ``[0, N)``
 raise a ``ValueError`` outside jit; inside jit they are dropped, as MindSpore's kernels
 do (scatters use ``mode="drop"``, gathers read zeros), and
 :func:`adamkit.check_row_ids` turns them into a ``checkify`` error instead. Tables may be
@@ -214,6 +217,8 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
   Args:
     var, m, v, beta1_power, beta2_power, lr, beta1, beta2, epsilon, gradient, indices,
       use_nesterov: as in :func:`fused_sparse_adam`.
+    backend: ``"auto"`` (one C++ kernel call for float32 tables on one CPU device when the
+      kernel is built, XLA otherwise), ``"kernel"`` (error if not built) or ``"xla"``.
 
   Returns:
     The new ``(var, m, v)``.
@@ -283,7 +288,12 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
       ``lazy_mode=True``, ``torch.optim.SparseAdam``) or every row (``FusedSparseAdam``).
     unique_ids: the caller guarantees that no id repeats (MindSpore ``unique=False``):
       skip the merge. With repeated ids the lazy result is then unspecified (one of the
-      duplicates wins), though never outside the repeated rows.
+      duplicates wins, or each is applied in turn), though never outside the repeated rows.
+    backend: where the lazy row step runs: ``"auto"`` (the C++ kernel for float32 tables
+      and int32 ids computed on one CPU device, when built; XLA otherwise, e.g. for a table
+      sharded over several devices), ``"kernel"`` (error if not built) or ``"xla"``. The two
+      agree to float32 rounding: the kernel computes the formula as written, XLA may
+      contract a multiply and an add into one FMA.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleBySparseAdamState`.
@@ -383,6 +393,9 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     loss_scale: gradients are divided by it first, > 0.
     unique_ids: skip merging duplicate ids (the caller guarantees there are none).
     nonfinite: ``"propagate"`` or ``"skip"``, as in :func:`adamkit.adam`.
+    backend: ``"auto"``, ``"kernel"`` or ``"xla"``, see :func:`scale_by_sparse_adam`; pass
+      the same to :func:`adamkit.apply_updates`. For the fastest step (the table updated in
+      the same pass as its moments) see :func:`adamkit.fused_adam`.
 
   Returns:
     An ``optax.GradientTransformation``.

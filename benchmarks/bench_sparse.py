@@ -1,19 +1,26 @@
 """Sparse Adam benchmark: one lazy step on k touched rows of an (N, D) embedding table.
 
-Prints one table: median step time of ``ak.sparse_adam`` (lazy, jitted, table and state
-donated; ``update`` + ``ak.apply_updates``) on its two backends, the C++ kernel (the default
-on one CPU device) and the XLA gathers/scatters (``backend="xla"``, what other backends and
-sharded tables run), and of the functional op ``ak.fused_sparse_lazy_adam`` (table, m and v
-in one kernel call); against ``torch.optim.SparseAdam`` on the same ids and values, and
-against a dense ``ak.adam`` / ``optax.adam`` step fed the dense (N, D) gradient (gradient
-already made; only the optimizer step and the parameter update are timed). Also the scratch
-memory XLA reserves for the compiled lazy step (``compiled.memory_analysis()``) next to the
-size of the table, and a floor: the same k rows scatter-added by XLA into three (N, D) arrays
-with no arithmetic, which shows what the memory system costs as N grows. The lazy steps and
-the floor are timed round-robin over the table sizes, so that load on a shared machine
-affects every size alike.
+Prints two tables in one run. Step times are medians; every lazy step is timed as in a
+training loop (right after the previous step of the same optimizer: blocks of consecutive
+steps), the blocks of all table sizes and variants taken in turn so that load on a shared
+machine hits each alike.
 
-Run:  python benchmarks/bench_sparse.py [--sizes 100000,1000000,4000000] [--reps 20]
+1. The lazy step (jitted, table and state donated) at each table size:
+   ``ak.sparse_adam`` (optax protocol: ``update`` + ``ak.apply_updates``) on its default
+   backend (the C++ kernels on one CPU device) and with ``backend="xla"`` (XLA gathers and
+   scatters: what other backends and sharded tables run); ``ak.fused_adam(...).step`` with a
+   ``RowSparse`` gradient (one kernel call: table, m and v rows read and written once); the
+   same two kernel paths in a child process whose large buffers get 2 MiB pages
+   (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, Linux with transparent huge pages in
+   ``madvise`` or ``always`` mode), which takes TLB misses out of random row access; an XLA
+   floor (the same k rows scatter-added into three (N, D) arrays, no arithmetic); the
+   scratch memory of the compiled ``ak.sparse_adam`` step
+   (``compiled.memory_analysis().temp_size_in_bytes``).
+2. Against ``torch.optim.SparseAdam`` on the same ids and values and a dense ``ak.adam`` /
+   ``optax.adam`` step fed the dense (N, D) gradient (gradient made beforehand; only the
+   optimizer step and the update of the params are timed), as ratios.
+
+Run:  python benchmarks/bench_sparse.py [--sizes 100000,1000000,4000000] [--reps 60]
 torch is optional (``pip install adamkit[bench]``); its column is skipped without it.
 """
 
@@ -21,7 +28,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import pathlib
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -98,26 +110,59 @@ def ak_sparse_runner(n, d, data, backend="auto"):
   return run, temp
 
 
-def ak_op_runner(n, d, data):
-  """One jitted ``ak.fused_sparse_lazy_adam`` step (MindSpore's op: the caller keeps the
-  beta powers), table, m and v donated."""
-  b1, b2 = np.float32(0.9), np.float32(0.999)
+def ak_fused_runner(n, d, data):
+  """One jitted ``ak.fused_adam(...).step`` with a RowSparse gradient, params and state
+  donated."""
+  opt = ak.fused_adam(1e-3)
 
-  def step(var, m, v, t, ids, vals):
-    return ak.fused_sparse_lazy_adam(var, m, v, b1 ** t, b2 ** t, 1e-3, b1, b2, 1e-8, vals,
-                                     ids)
+  def step(params, state, ids, vals):
+    return opt.step(params, state, {"emb": ak.RowSparse(ids, vals, n)})
 
-  f = jax.jit(step, donate_argnums=(0, 1, 2))
+  f = jax.jit(step, donate_argnums=(0, 1))
   dev = [(jnp.asarray(i), jnp.asarray(v)) for i, v in data]
-  box = [tuple(jnp.zeros((n, d), jnp.float32) for _ in range(3)), 1]
+  params = {"emb": jnp.zeros((n, d), jnp.float32)}
+  box = [params, opt.init(params), 0]
 
   def run():
-    arrays, t = box
-    arrays = f(*arrays, jnp.float32(t), *dev[t % len(dev)])
-    jax.block_until_ready(arrays)
-    box[:] = [arrays, t + 1]
+    p, s, j = box
+    p, s = f(p, s, *dev[j % len(dev)])
+    jax.block_until_ready(p)
+    box[:] = [p, s, j + 1]
 
   return run
+
+
+def lazy_timings(sizes, d, k, reps, variants):
+  """Median ms of each (size, variant), round-robin; and the ak.sparse_adam step's scratch."""
+  data = {n: batches(n, k, d) for n in sizes}
+  runners, temps = {}, {}
+  for n in sizes:
+    for v in variants:
+      if v == "fused":
+        runners[n, v] = ak_fused_runner(n, d, data[n])
+      else:
+        runners[n, v], temp = ak_sparse_runner(n, d, data[n], v)
+        temps[n] = temps.get(n, temp)
+  ms = interleaved_ms(runners, reps)
+  del runners
+  gc.collect()
+  return ms, temps
+
+
+def huge_page_timings(sizes, d, k, reps):
+  """The kernel paths' timings in a child process with 2 MiB pages for large buffers, or
+  None where that is not available (not Linux, no transparent huge pages)."""
+  thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+  if not thp.exists() or "[never]" in thp.read_text():
+    return None
+  env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+  cmd = [sys.executable, __file__, "--child-lazy", "--sizes", ",".join(map(str, sizes)),
+         "--dim", str(d), "--k", str(k), "--reps", str(reps)]
+  done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    print(f"(2 MiB page run failed: {done.stderr[-500:]})")
+    return None
+  return {(int(n), v): t for n, v, t in json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def floor_runner(n, d, data):
@@ -197,38 +242,39 @@ def main():
   parser.add_argument("--sizes", default="100000,1000000,4000000")
   parser.add_argument("--k", type=int, default=4096)
   parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--reps", type=int, default=60)
   parser.add_argument("--dense-reps", type=int, default=5)
   parser.add_argument("--no-dense", action="store_true", help="skip the dense columns")
+  parser.add_argument("--no-huge-pages", action="store_true", help="skip the 2 MiB page run")
   parser.add_argument("--torch-threads", default=None,
                       help="comma-separated torch thread counts to try, best kept "
                            "(default: 1 and torch's default)")
+  parser.add_argument("--child-lazy", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   sizes = [int(s) for s in args.sizes.split(",")]
+  k, d = args.k, args.dim
+  if args.child_lazy:  # the 2 MiB page run: kernel paths only, JSON on the last line
+    ms, _ = lazy_timings(sizes, d, k, args.reps, ("auto", "fused"))
+    print(json.dumps([[n, v, t] for (n, v), t in ms.items()]))
+    return
   if torch is not None:
     threads = (sorted({1, torch.get_num_threads()}) if args.torch_threads is None
                else [int(t) for t in args.torch_threads.split(",")])
-  k, d = args.k, args.dim
 
+  kernel = ak.cpu_kernel_available()
   print(f"# sparse Adam step, k={k} ids (random, with repeats) x {d} float32; "
         f"jax {jax.__version__}, optax {optax.__version__}, "
         f"torch {f'{torch.__version__} (best of threads {threads})' if torch else 'absent'}; "
-        f"{jax.devices()[0].platform} x{len(jax.devices())}; median ms of {args.reps} steps "
-        f"({args.dense_reps} for dense)")
+        f"{jax.devices()[0].platform} x{len(jax.devices())}; adamkit CPU kernels "
+        f"{'built' if kernel else 'NOT BUILT (the kernel columns run XLA)'}; median ms of "
+        f"{args.reps} steps ({args.dense_reps} for dense)")
+  lazy_ms, temps = lazy_timings(sizes, d, k, args.reps, ("auto", "xla", "fused"))
+  huge = None if args.no_huge_pages else huge_page_timings(sizes, d, k, args.reps)
   data = {n: batches(n, k, d) for n in sizes}
-  # 1. the lazy steps, all sizes round-robin; 2. the bare scatter floor, likewise
-  lazy = {(n, b): ak_sparse_runner(n, d, data[n], b) for n in sizes for b in ("auto", "xla")}
-  temps = {n: lazy[n, "auto"][1] for n in sizes}
-  runners = {key: run for key, (run, _) in lazy.items()}
-  runners.update({(n, "op"): ak_op_runner(n, d, data[n]) for n in sizes})
-  lazy_ms = interleaved_ms(runners, args.reps)
-  del lazy, runners
-  gc.collect()
   floor_ms = interleaved_ms({n: floor_runner(n, d, data[n]) for n in sizes}, args.reps)
   gc.collect()
-  # 3. torch and the dense steps, one size at a time (they need more memory)
-  rows = []
-  for n in sizes:
+  others = {}
+  for n in sizes:  # torch and the dense steps, one size at a time (they need more memory)
     t_ms = (bench_torch(n, d, data[n], args.reps, threads) if torch is not None
             else float("nan"))
     gc.collect()
@@ -238,35 +284,44 @@ def main():
       gc.collect()
       optax_dense = bench_dense(n, d, data[n], args.dense_reps, "optax")
       gc.collect()
-    rows.append((n, lazy_ms[n, "auto"], lazy_ms[n, "op"], lazy_ms[n, "xla"], t_ms, ak_dense,
-                 optax_dense, temps[n], floor_ms[n]))
+    others[n] = (t_ms, ak_dense, optax_dense)
 
-  kernel = ak.cpu_kernel_available()
-  print(f"ak.sparse_adam: update + ak.apply_updates, backend auto = "
-        f"{'the C++ kernel' if kernel else 'XLA (kernel not built!)'}; op: "
-        "ak.fused_sparse_lazy_adam (one kernel call); xla: backend='xla'")
-  table_mb = lambda n: n * d * 4 / 2**20  # noqa: E731
-  cols = [("rows N", 9), ("ak.sparse_adam", 14), ("ak op", 9), ("ak xla path", 11),
-          ("torch SparseAdam", 16), ("ak.adam dense", 13), ("optax.adam dense", 16),
-          ("torch/ak", 8), ("torch/op", 8), ("ak.adam/ak", 10), ("ak.adam/op", 10),
-          ("XLA scatter floor", 17), ("temp MB", 7), ("table MB", 8)]
-  print()
-  print("| " + " | ".join(f"{name:>{w}}" for name, w in cols) + " |")
-  print("|" + "|".join("-" * (w + 2) for _, w in cols) + "|")
-  for n, a, op, xla, t, da, do, temp, fl in rows:
-    temp_mb = float("nan") if temp is None else temp / 2**20
-    print(f"| {n:>9,} | {a:>11.3f} ms | {op:>6.3f} ms | {xla:>8.3f} ms | {t:>13.3f} ms "
-          f"| {da:>10.2f} ms | {do:>13.2f} ms | {t / a:>7.2f}x | {t / op:>7.2f}x "
-          f"| {da / a:>9.1f}x | {da / op:>9.1f}x | {fl:>14.3f} ms | {temp_mb:>7.3f} "
-          f"| {table_mb(n):>8.0f} |")
-  if len(rows) > 1:
-    big, small = rows[-1], rows[0]
-    print(f"\nlargest / smallest table ({big[0]:,} / {small[0]:,} rows), target <= 1.3x: "
-          f"ak.sparse_adam {big[1] / small[1]:.2f}x, op {big[2] / small[2]:.2f}x, xla path "
-          f"{big[3] / small[3]:.2f}x; the bare XLA 3-array row scatter grows "
-          f"{big[8] / small[8]:.2f}x over the same range (cache and TLB misses of random rows).")
-  print("optax.adam dense / ak: "
-        + ", ".join(f"{r[0]:,}: {r[6] / r[1]:.1f}x (op {r[6] / r[2]:.1f}x)" for r in rows))
+  nan = float("nan")
+  hp = (lambda n, v: nan) if huge is None else (lambda n, v: huge[n, v])  # noqa: E731
+  print("\n## 1. The lazy step (ms)\n")
+  _table(["rows N", "ak.sparse_adam", "ak.fused_adam step", "sparse_adam backend=xla",
+          "sparse_adam, 2 MiB pages", "fused step, 2 MiB pages", "XLA scatter floor",
+          "scratch MB", "table MB"],
+         [[f"{n:,}", f"{lazy_ms[n, 'auto']:.3f}", f"{lazy_ms[n, 'fused']:.3f}",
+           f"{lazy_ms[n, 'xla']:.3f}", f"{hp(n, 'auto'):.3f}", f"{hp(n, 'fused'):.3f}",
+           f"{floor_ms[n]:.3f}", "nan" if temps[n] is None else f"{temps[n] / 2**20:.2f}",
+           f"{n * d * 4 / 2**20:.0f}"] for n in sizes])
+  print("\n## 2. Against torch.optim.SparseAdam and dense Adam (time / ak's time)\n")
+  _table(["rows N", "torch SparseAdam ms", "ak.adam dense ms", "optax.adam dense ms",
+          "torch / sparse_adam", "torch / fused", "ak.adam / sparse_adam", "ak.adam / fused",
+          "optax.adam / fused"],
+         [[f"{n:,}", f"{t:.3f}", f"{da:.2f}", f"{do:.2f}", f"{t / lazy_ms[n, 'auto']:.2f}x",
+           f"{t / lazy_ms[n, 'fused']:.2f}x", f"{da / lazy_ms[n, 'auto']:.1f}x",
+           f"{da / lazy_ms[n, 'fused']:.1f}x", f"{do / lazy_ms[n, 'fused']:.1f}x"]
+          for n, (t, da, do) in others.items()])
+  if len(sizes) > 1:
+    big, small = sizes[-1], sizes[0]
+    grow = lambda ms, v: ms[big, v] / ms[small, v]  # noqa: E731
+    line = (f"\nlargest / smallest table ({big:,} / {small:,} rows), target <= 1.3x: "
+            f"ak.sparse_adam {grow(lazy_ms, 'auto'):.2f}x, fused step "
+            f"{grow(lazy_ms, 'fused'):.2f}x, backend=xla {grow(lazy_ms, 'xla'):.2f}x")
+    if huge is not None:
+      line += (f"; with 2 MiB pages: ak.sparse_adam {grow(huge, 'auto'):.2f}x, fused step "
+               f"{grow(huge, 'fused'):.2f}x")
+    print(line + f"; the XLA 3-array row scatter floor grows {floor_ms[big] / floor_ms[small]:.2f}x.")
+
+
+def _table(header, rows):
+  widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+  print("| " + " | ".join(h.rjust(w) for h, w in zip(header, widths)) + " |")
+  print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+  for r in rows:
+    print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
 
 
 if __name__ == "__main__":
