@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from adamkit import _adam, _kernels, _masks, _schedules, _validate
+from adamkit import _adam, _kernels, _masks, _schedules, _sparse, _validate
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, gather_rows, safe_ids, scatter_rows
@@ -104,19 +104,14 @@ def _dense_xla(kind, p, g, m, v, *, decay, wd, lr, b1, b2, eps, bc1, bc2, eps_mo
   return (p + step).astype(p.dtype), m2.astype(m.dtype), v2.astype(v.dtype)
 
 
-def _lazy_rows_xla(p, g: RowSparse, m, v, *, lr, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
-  """One lazy row-sparse leaf in plain JAX (``g`` already merged): the rows of ``g`` move
-  as in ``ak.sparse_adam`` + ``ak.apply_updates``; every other row is untouched."""
-  ids = safe_ids(g.indices, g.num_rows)
-  dt = compute_dtype(g.values)
-  u, m2, v2 = _adam.adam_direction(
-      g.values.astype(dt), gather_rows(m, ids).astype(dt), gather_rows(v, ids).astype(dt),
-      b1=b1, b2=b2, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
+def _lazy_rows_xla(p, g: RowSparse, m, v, *, lr, merge, **hyper):
+  """One lazy row-sparse leaf in plain JAX: the rows of ``g`` move as in
+  ``ak.sparse_adam`` + ``ak.apply_updates`` (same rounding points); the others keep their
+  bits. Returns ``(p, m, v)``."""
+  ids, u, m, v = _sparse.lazy_rows(g, m, v, merge=merge, backend="xla", **hyper)
   u = u.astype(g.dtype)
   step = (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
-  return (scatter_rows(p, ids, step, add=True), scatter_rows(m, ids, m2.astype(m.dtype)),
-          scatter_rows(v, ids, v2.astype(v.dtype)))
-
+  return scatter_rows(p, ids, step, add=True), m, v
 
 # --------------------------------------------------------------------- the fused step
 
@@ -256,8 +251,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
         continue
       if i in sparse:
         new_p[i], new_m[i], new_v[i] = _lazy_rows_xla(
-            p, g if unique_ids else g.coalesce(), m, v, lr=lr, b1=b1_, b2=b2_, eps=eps_,
-            bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
+            p, g, m, v, lr=lr, merge=not unique_ids, b1=b1_, b2=b2_, eps=eps_, bc1=bc1,
+            bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
       else:
         new_p[i], new_m[i], new_v[i] = _dense_xla(
             kind, p, g, m, v, decay=k_l[i], wd=wd, lr=lr, b1=b1_, b2=b2_, eps=eps_, bc1=bc1,

@@ -51,7 +51,7 @@ def _use_kernel(backend: str, *arrays, ids) -> bool:
   return _kernels.sparse_kernel_usable(*arrays, ids=ids)
 
 
-def _lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov, merge,
+def lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov, merge,
                backend):
   """Adam on the rows of ``g`` only, duplicates summed first when ``merge``. Returns
   ``(ids, u_rows, m, v)`` with distinct ids (padding: ``num_rows``, dropped by scatters)."""
@@ -245,7 +245,7 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
     m, v, var = _kernels.sparse_lazy_call("hat", use_nesterov, True, scalars, g.indices,
                                         g.values, m, v, var, num_rows=g.num_rows)
     return var, m, v
-  ids, u, m, v = _lazy_rows(g, m, v, eps_mode="hat", nesterov=use_nesterov, merge=True,
+  ids, u, m, v = lazy_rows(g, m, v, eps_mode="hat", nesterov=use_nesterov, merge=True,
                             backend="xla", **hyper)
   rows = gather_rows(var, ids).astype(u.dtype) - lr * u
   return scatter_rows(var, ids, rows), m, v
@@ -335,7 +335,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     def leaf(g, m, v):
       if isinstance(g, RowSparse) and lazy:
         _check_table(g, m)
-        ids, u, m, v = _lazy_rows(g, m, v, merge=not unique_ids, backend=backend, **hyper)
+        ids, u, m, v = lazy_rows(g, m, v, merge=not unique_ids, backend=backend, **hyper)
         return RowSparse.tree_unflatten(g.num_rows, (ids, u.astype(g.dtype))), m, v
       if isinstance(g, RowSparse):
         _check_table(g, m)
