@@ -207,6 +207,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     # A lazy row step runs on the kernel on one CPU device (auto), or when forced.
     on_sparse_kernel = [i for i in sparse if use_kernel and is_f32(i)
                         and g_l[i].indices.dtype == jnp.int32
+                        and g_l[i].num_rows <= np.iinfo(np.int32).max
                         and (backend == "kernel" or _kernels.sparse_kernel_usable(
                             leaves[i], g_l[i].values, m_l[i], v_l[i], ids=g_l[i].indices))]
     if on_kernel or on_sparse_kernel:

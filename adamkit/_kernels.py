@@ -108,7 +108,8 @@ def dense_call(kind: str, nesterov: bool, decay: bool, offset: int, scalars, ps,
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ps + [m, v]]
   aliases = {1 + i: i for i in range(n)}
   aliases.update({1 + 2 * n: n, 2 + 2 * n: n + 1})
-  call = jax.ffi.ffi_call(_TARGET, shapes, input_output_aliases=aliases)
+  call = jax.ffi.ffi_call(_TARGET, shapes, input_output_aliases=aliases,
+                          vmap_method="sequential")
   out = call(scalars, *ps, *gs, m, v, kind=np.int64(_KIND[kind]), nesterov=bool(nesterov),
              decay=bool(decay), offset=np.int64(offset))
   return list(out[:n]), out[n], out[n + 1]
@@ -160,7 +161,8 @@ def sparse_lazy_call(kind: str, nesterov: bool, merge: bool, scalars, ids, value
   else:
     shapes += [jax.ShapeDtypeStruct((k,), jnp.int32),
                jax.ShapeDtypeStruct(values.shape, values.dtype)]
-  call = jax.ffi.ffi_call("adamkit_cpu_sparse_lazy", shapes, input_output_aliases=aliases)
+  call = jax.ffi.ffi_call("adamkit_cpu_sparse_lazy", shapes, input_output_aliases=aliases,
+                          vmap_method="sequential")
   return call(*operands, kind=np.int64(_KIND[kind]), nesterov=bool(nesterov),
               apply=table is not None, merge=bool(merge), offset=np.int64(offset),
               num_rows=np.int64(num_rows))
@@ -171,7 +173,7 @@ def row_add_call(table, ids, rows):
   """``table[ids] += rows`` (repeated ids add up, ids outside the table skipped), one kernel
   call, in place when ``table`` is donated."""
   call = jax.ffi.ffi_call("adamkit_cpu_row_add", jax.ShapeDtypeStruct(table.shape, table.dtype),
-                          input_output_aliases={2: 0})
+                          input_output_aliases={2: 0}, vmap_method="sequential")
   return call(ids, rows, table)
 
 

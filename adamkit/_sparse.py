@@ -39,13 +39,15 @@ from adamkit._sparse_types import (
 _BACKENDS = ("auto", "kernel", "xla")
 
 
-def _use_kernel(backend: str, *arrays, ids) -> bool:
+def _use_kernel(backend: str, *arrays, ids, num_rows: int) -> bool:
   """Whether a lazy step runs in the CPU kernel (see the ``backend`` arguments)."""
   if backend == "xla":
     return False
   if backend == "kernel" and not _kernels.cpu_kernel_available():
     raise RuntimeError("backend='kernel' but the adamkit CPU kernel is not built: run "
                        "`python -m adamkit._kernels` (see adamkit.build_cpu_kernel).")
+  if num_rows > np.iinfo(np.int32).max:  # the kernel's ids and padding id are int32
+    return False
   if backend == "kernel":  # forced: any device count; other dtypes still take the XLA path
     return ids.dtype == jnp.int32 and all(a.dtype == jnp.float32 for a in arrays)
   return _kernels.sparse_kernel_usable(*arrays, ids=ids)
@@ -55,7 +57,7 @@ def lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov, 
                backend):
   """Adam on the rows of ``g`` only, duplicates summed first when ``merge``. Returns
   ``(ids, u_rows, m, v)`` with distinct ids (padding: ``num_rows``, dropped by scatters)."""
-  if _use_kernel(backend, g.values, m, v, ids=g.indices):
+  if _use_kernel(backend, g.values, m, v, ids=g.indices, num_rows=g.num_rows):
     scalars = _kernels.kernel_scalars(eps_mode, b1, b2, eps, 0.0, 0.0, bc1, bc2)
     m, v, ids, u = _kernels.sparse_lazy_call(eps_mode, nesterov, merge, scalars, g.indices,
                                            g.values, m, v, num_rows=g.num_rows)
@@ -239,7 +241,7 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
   _validate.check_choice("backend", backend, _BACKENDS)
   var, m, v, g = _fused_args(var, m, v, gradient, indices)
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
-  if _use_kernel(backend, var, m, v, g.values, ids=g.indices):
+  if _use_kernel(backend, var, m, v, g.values, ids=g.indices, num_rows=g.num_rows):
     scalars = _kernels.kernel_scalars("hat", hyper["b1"], hyper["b2"], hyper["eps"], lr, 0.0,
                                     hyper["bc1"], hyper["bc2"])
     m, v, var = _kernels.sparse_lazy_call("hat", use_nesterov, True, scalars, g.indices,
@@ -472,7 +474,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates, *,
         raise ValueError(f"A RowSparse update of dense shape {u.shape} does not fit a "
                          f"parameter of shape {np.shape(p)}.")
       p = jnp.asarray(p)
-      if _use_kernel(backend, p, u.values, ids=u.indices):
+      if _use_kernel(backend, p, u.values, ids=u.indices, num_rows=u.num_rows):
         return _kernels.row_add_call(p, u.indices, u.values)
       ids = safe_ids(u.indices, u.num_rows)
       return scatter_rows(p, ids, u.values, add=True)
