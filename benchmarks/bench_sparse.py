@@ -165,11 +165,15 @@ def huge_page_timings(sizes, d, k, reps):
   return {(int(n), v): t for n, v, t in json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def floor_runner(n, d, data):
-  """The memory-system floor: scatter-add the same k rows into three donated (N, D) arrays
-  (table, m, v), no Adam arithmetic and no merge of duplicates."""
+def floor_runner(n, d, data, backend="xla"):
+  """The memory-system floor: add the same k rows into three donated (N, D) arrays (table,
+  m, v), no Adam arithmetic and no merge of duplicates: with XLA's scatter-add, or with the
+  row-add kernel of ``ak.apply_updates`` (``backend="kernel"``)."""
 
   def scatter3(a, b, c, ids, vals):
+    if backend == "kernel":
+      g = ak.RowSparse(ids, vals, n)
+      return tuple(ak.apply_updates(x, g, backend="kernel") for x in (a, b, c))
     return tuple(x.at[ids].add(vals, mode="drop") for x in (a, b, c))
 
   f = jax.jit(scatter3, donate_argnums=(0, 1, 2))
@@ -262,6 +266,7 @@ def main():
                else [int(t) for t in args.torch_threads.split(",")])
 
   kernel = ak.cpu_kernel_available()
+  nan = float("nan")
   print(f"# sparse Adam step, k={k} ids (random, with repeats) x {d} float32; "
         f"jax {jax.__version__}, optax {optax.__version__}, "
         f"torch {f'{torch.__version__} (best of threads {threads})' if torch else 'absent'}; "
@@ -271,7 +276,11 @@ def main():
   lazy_ms, temps = lazy_timings(sizes, d, k, args.reps, ("auto", "xla", "fused"))
   huge = None if args.no_huge_pages else huge_page_timings(sizes, d, k, args.reps)
   data = {n: batches(n, k, d) for n in sizes}
-  floor_ms = interleaved_ms({n: floor_runner(n, d, data[n]) for n in sizes}, args.reps)
+  floors = {(n, b): floor_runner(n, d, data[n], b) for n in sizes
+            for b in (("xla", "kernel") if kernel else ("xla",))}
+  floor_ms = interleaved_ms(floors, args.reps)
+  del floors
+  kfloor = (lambda n: floor_ms[n, "kernel"]) if kernel else (lambda n: nan)  # noqa: E731
   gc.collect()
   others = {}
   for n in sizes:  # torch and the dense steps, one size at a time (they need more memory)
@@ -286,15 +295,15 @@ def main():
       gc.collect()
     others[n] = (t_ms, ak_dense, optax_dense)
 
-  nan = float("nan")
   hp = (lambda n, v: nan) if huge is None else (lambda n, v: huge[n, v])  # noqa: E731
   print("\n## 1. The lazy step (ms)\n")
   _table(["rows N", "ak.sparse_adam", "ak.fused_adam step", "sparse_adam backend=xla",
           "sparse_adam, 2 MiB pages", "fused step, 2 MiB pages", "XLA scatter floor",
-          "scratch MB", "table MB"],
+          "kernel row-add floor", "scratch MB", "table MB"],
          [[f"{n:,}", f"{lazy_ms[n, 'auto']:.3f}", f"{lazy_ms[n, 'fused']:.3f}",
            f"{lazy_ms[n, 'xla']:.3f}", f"{hp(n, 'auto'):.3f}", f"{hp(n, 'fused'):.3f}",
-           f"{floor_ms[n]:.3f}", "nan" if temps[n] is None else f"{temps[n] / 2**20:.2f}",
+           f"{floor_ms[n, 'xla']:.3f}", f"{kfloor(n):.3f}",
+           "nan" if temps[n] is None else f"{temps[n] / 2**20:.2f}",
            f"{n * d * 4 / 2**20:.0f}"] for n in sizes])
   print("\n## 2. Against torch.optim.SparseAdam and dense Adam (time / ak's time)\n")
   _table(["rows N", "torch SparseAdam ms", "ak.adam dense ms", "optax.adam dense ms",
@@ -313,7 +322,9 @@ def main():
     if huge is not None:
       line += (f"; with 2 MiB pages: ak.sparse_adam {grow(huge, 'auto'):.2f}x, fused step "
                f"{grow(huge, 'fused'):.2f}x")
-    print(line + f"; the XLA 3-array row scatter floor grows {floor_ms[big] / floor_ms[small]:.2f}x.")
+    xla_floor = floor_ms[big, "xla"] / floor_ms[small, "xla"]
+    print(line + f"; the 3-array row-add floors grow {xla_floor:.2f}x (XLA) and "
+          f"{kfloor(big) / kfloor(small):.2f}x (kernel).")
 
 
 def _table(header, rows):
