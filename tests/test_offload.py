@@ -363,13 +363,16 @@ N_ROWS, ROW = 64, 4
 
 
 @needs_host
+@pytest.mark.parametrize("backend", ["xla", "kernel"])
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "dense-rows"])
-def test_sparse_adam_state_in_host_memory(lazy):
+def test_sparse_adam_state_in_host_memory(lazy, backend, request):
+  if backend == "kernel":  # the lazy row step of the reduced problem runs in the kernel
+    request.getfixturevalue("kernel")
   params = {"emb": jnp.linspace(-1.0, 1.0, N_ROWS * ROW, dtype=jnp.float32).reshape(
       N_ROWS, ROW), "fc": {"kernel": jnp.ones((ROW, 2), jnp.float32)}}
 
   def make():
-    return ak.sparse_adam(0.05, lazy=lazy, weight_decay=0.1)
+    return ak.sparse_adam(0.05, lazy=lazy, weight_decay=0.1, backend=backend)
 
   tx, ref = ak.offload(make(), mode="state"), make()
 
@@ -387,6 +390,8 @@ def test_sparse_adam_state_in_host_memory(lazy):
   id_batches = [[3, 3, 10, 63], [10, 0, 5, 5], [99, 3, 7, 7]]  # duplicates; 99 is dropped
   ids0 = jnp.array(id_batches[0], jnp.int32)
   moved = transfers(step_with(tx), params, tx.init(params), ids0)
+  text = jax.jit(step_with(tx)).lower(params, tx.init(params), ids0).as_text()
+  assert ("adamkit_cpu_sparse_lazy" in text) == (backend == "kernel" and lazy)
   shapes = {d: [a.shape for a in avals] for d, avals in moved.items()}
   k_rows = (len(id_batches[0]), ROW)
   if lazy:  # mu and nu: only the k touched rows come to the device and go back
