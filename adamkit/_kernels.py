@@ -49,11 +49,14 @@ def kernel_path() -> pathlib.Path:
 
 def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str | None = None,
                      verbose: bool = False) -> pathlib.Path:
-  """Compiles the one-pass CPU kernel (``adamkit/_cpu/adam_kernels.cc``) with the system's
-  C++ compiler against the XLA FFI headers that ship with jaxlib.
+  """Compiles adamkit's CPU kernels (``adamkit/_cpu/adam_kernels.cc``: the one-pass dense
+  step, the lazy sparse step and the row add) with the system's C++ compiler against the
+  XLA FFI headers that ship with jaxlib.
 
-  Run once after installing (``python -m adamkit._kernels``); until then the fused step uses
-  its pure-JAX path. Returns the library's path. Raises ``RuntimeError`` when compiling fails.
+  ``pip install`` does this when a compiler is found; otherwise run it once (``python -m
+  adamkit._kernels``). Until then ``ak.fused_adam``, ``ak.sparse_adam`` and
+  ``ak.apply_updates`` use their pure-JAX paths. Returns the library's path. Raises
+  ``RuntimeError`` when compiling fails.
   """
   out = pathlib.Path(output) if output else kernel_path()
   cmd = _kernel_build.compile_command(_KERNEL_SOURCE, out, jax.ffi.include_dir(), compiler)
@@ -73,7 +76,7 @@ def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str |
 
 
 def cpu_kernel_available() -> bool:
-  """True when the compiled kernel is present and registered with XLA's CPU backend."""
+  """True when the compiled kernels are present and registered with XLA's CPU backend."""
   global _registered
   with _lock:
     if _registered is None:
@@ -166,7 +169,6 @@ def sparse_lazy_call(kind: str, nesterov: bool, merge: bool, scalars, ids, value
   return call(*operands, kind=np.int64(_KIND[kind]), nesterov=bool(nesterov),
               apply=table is not None, merge=bool(merge), offset=np.int64(offset),
               num_rows=np.int64(num_rows))
-
 
 
 def row_add_call(table, ids, rows):

@@ -1,15 +1,19 @@
 // One-pass CPU kernels for the Adam and AdaMax steps, called through jax.ffi.
 //
-// XLA:CPU emits an Adam step as three loops (m, v, then the parameters), about 40 bytes of
-// memory traffic per float32 parameter. These kernels read p, g, m, v once and write p, m,
-// v once (28 bytes), in place (the outputs alias the inputs), split over XLA's intra-op
-// thread pool. The arithmetic mirrors adamkit's reference formulas operation by operation
-// (the scalars, including reciprocals XLA would form, are computed by the caller in JAX).
+// Dense (AdamkitCpuStep): XLA:CPU emits an Adam step as three loops (m, v, then the
+// parameters), about 40 bytes of memory traffic per float32 parameter. This kernel reads p,
+// g, m, v once and writes p, m, v once (28 bytes), in place (the outputs alias the inputs),
+// split over XLA's intra-op thread pool.
+// Row-sparse (AdamkitCpuSparseLazy, AdamkitCpuRowAdd): the lazy step on the rows an
+// embedding lookup touched, ids merged in a hash table, each touched row of the table and
+// its moments read and written once, rows prefetched ahead; and the row scatter-add.
+// The arithmetic mirrors adamkit's reference formulas operation by operation, without FMA
+// contraction (the scalars, including reciprocals XLA would form, are computed by the
+// caller in JAX).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -369,12 +373,8 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
   };
   // Split over the pool only when there is enough work (about 64k floats per chunk).
   const int64_t per_chunk = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(width, 1));
-#ifdef SPARSE_ONE_THREAD
-  body(0, distinct); (void)per_chunk;
-#else
   ParallelFor(pool, distinct, std::max(per_chunk, (distinct + Threads(pool) - 1) / Threads(pool)),
               body);
-#endif
   return ffi::Error::Success();
 }
 
