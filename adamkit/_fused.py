@@ -113,6 +113,7 @@ def _lazy_rows_xla(p, g: RowSparse, m, v, *, lr, merge, **hyper):
   step = (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
   return scatter_rows(p, ids, step, add=True), m, v
 
+
 # --------------------------------------------------------------------- the fused step
 
 
