@@ -295,7 +295,8 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
       and int32 ids computed on one CPU device, when built; XLA otherwise, e.g. for a table
       sharded over several devices), ``"kernel"`` (error if not built) or ``"xla"``. The two
       agree to float32 rounding: the kernel computes the formula as written, XLA may
-      contract a multiply and an add into one FMA.
+      contract a multiply and an add into one FMA. The kernel has no differentiation rule:
+      use ``"xla"`` to differentiate through the step.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleBySparseAdamState`.
