@@ -75,6 +75,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
   def update_fn(updates, state, params=None):
     del params
+    _validate.check_dense_grads(updates, "ak.scale_by_adamax")
     _validate.check_matching_trees(updates, state.nu, what="optimizer state")
     count = optax.safe_increment(state.count)
     bc1, _ = bias_corrections(b1, b2, count)
@@ -129,4 +130,4 @@ def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
       grad_clip=grad_clip, groups=groups, grad_centralization=grad_centralization,
-      nonfinite=nonfinite)
+      nonfinite=nonfinite, dense_only="ak.adamax")

@@ -134,12 +134,13 @@ DirectionFactory = Callable[..., optax.GradientTransformation]
 def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[str, Any],
                 weight_decay, weight_decay_mask, loss_scale, grad_clip, groups,
                 grad_centralization=False, nonfinite="propagate",
-                lr_link=None) -> optax.GradientTransformation:
+                lr_link=None, dense_only: str | None = None) -> optax.GradientTransformation:
   """Assembles ``check -> unscale -> clip -> [per group: decay -> gc -> direction -> -lr]``.
 
   ``hyper`` holds the per-group-overridable hyperparameters (``b1``, ``b2``, ``eps``),
   already validated. ``lr_link`` builds the learning-rate link (default
-  :func:`adamkit._links.scale_by_learning_rate`).
+  :func:`adamkit._links.scale_by_learning_rate`). ``dense_only``: the optimizer's name, to
+  refuse row-sparse gradients up front with a clear error.
   """
   _validate.check_choice("nonfinite", nonfinite, ("propagate", "skip"))
   lr_link = lr_link or _links.scale_by_learning_rate
@@ -192,7 +193,7 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
       transforms[g.name] = inner(lr, wd, None, g.grad_centralization, hp)
     body = optax.partition(transforms, _labeller(resolved))
 
-  links = [_links.check_inputs()]
+  links = [_links.check_inputs(dense_only)]
   if not (isinstance(loss_scale, (int, float)) and loss_scale == 1.0):
     links.append(_links.scale_by_loss_scale(loss_scale))
   else:

@@ -23,8 +23,9 @@ from adamkit._sparse_types import RowSparse, gather_rows, is_row_sparse, map_val
 # ---------------------------------------------------------------------------- checks
 
 
-def check_inputs() -> optax.GradientTransformation:
-  """Rejects integer params at ``init`` and gradients that do not match the params.
+def check_inputs(dense_only: str | None = None) -> optax.GradientTransformation:
+  """Rejects integer params at ``init`` and gradients that do not match the params (and,
+  with ``dense_only`` naming the optimizer, row-sparse gradients).
 
   Stateless; every check happens while tracing, so it costs nothing in the compiled step.
   """
@@ -34,6 +35,8 @@ def check_inputs() -> optax.GradientTransformation:
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
+    if dense_only:
+      _validate.check_dense_grads(updates, dense_only)
     _validate.check_matching_trees(updates, params)
     return updates, state
 

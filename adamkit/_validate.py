@@ -122,3 +122,16 @@ def check_matching_trees(updates: Any, reference: Any, *, what: str = "params") 
       raise ValueError(
           f"Gradient '{path_name(path) or '<root>'}' has shape {np.shape(u)} but the "
           f"matching {what} leaf has shape {np.shape(r)}.")
+
+
+def check_dense_grads(updates: Any, optimizer: str) -> None:
+  """Raises a TypeError naming the first :class:`adamkit.RowSparse` leaf: ``optimizer``
+  takes dense gradients only."""
+  flat = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)[0]
+  for path, leaf in flat:
+    if is_row_sparse(leaf):
+      raise TypeError(
+          f"{optimizer} takes dense gradients, but '{path_name(path) or '<root>'}' is a "
+          "RowSparse. Use ak.sparse_adam (lazy=False is MindSpore nn.Adam's FusedSparseAdam, "
+          "lazy=True its FusedSparseLazyAdam) or ak.fused_adam, or densify with "
+          "`g.todense()`.")

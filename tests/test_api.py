@@ -273,3 +273,19 @@ def test_adamax_moment_dtypes():
            if isinstance(s, ak.ScaleByAdamaxState)][0]
   assert inner.mu["w"].dtype == jnp.bfloat16 and inner.nu["w"].dtype == jnp.bfloat16
   np.testing.assert_allclose(u["w"], r["w"], rtol=1e-6)  # same first step (f32 arithmetic)
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda: ak.adam(0.1), "ak.adam"), (lambda: ak.adamax(0.1), "ak.adamax"),
+    (lambda: ak.adam(0.1, grad_clip=ak.ClipGradByGlobalNorm(1.0)), "ak.adam"),
+    (lambda: ak.scale_by_adam(), "ak.scale_by_adam"),
+    (lambda: ak.scale_by_adamax(), "ak.scale_by_adamax")])
+def test_dense_optimizers_refuse_row_sparse_gradients(make, name):
+  """A RowSparse leaf given to a dense optimizer: a TypeError naming the optimizer, the leaf
+  and the sparse alternatives, not a pytree mismatch from deep inside the chain."""
+  tx = make()
+  params = {"emb": jnp.zeros((5, 2)), "w": jnp.zeros(2)}
+  grads = {"emb": ak.RowSparse(jnp.array([1]), jnp.ones((1, 2)), 5), "w": jnp.ones(2)}
+  with pytest.raises(TypeError, match=rf"{name} takes dense gradients, but 'emb' is a "
+                                      r"RowSparse\. Use ak\.sparse_adam"):
+    tx.update(grads, tx.init(params), params)
