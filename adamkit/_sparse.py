@@ -6,11 +6,11 @@ rows. Here that gradient is a :class:`adamkit.RowSparse` and the lazy step costs
 back (in place under ``jax.jit(..., donate_argnums=...)``). On one CPU device a C++ kernel
 (``adamkit/_cpu/adam_kernels.cc``) does this in one pass: duplicate ids merged in a hash
 table, each touched row read and written once, rows prefetched ahead; elsewhere (GPU, TPU,
-tables sharded over several devices, other dtypes) XLA gathers and scatters do it. Row ids outside ``[0, N)``
-raise a ``ValueError`` outside jit; inside jit they are dropped, as MindSpore's kernels
-do (scatters use ``mode="drop"``, gathers read zeros), and
-:func:`adamkit.check_row_ids` turns them into a ``checkify`` error instead. Tables may be
-sharded by rows, on meshes with Auto or Explicit axes.
+tables sharded over several devices, other dtypes) XLA gathers and scatters do it. Row
+ids outside ``[0, N)`` raise a ``ValueError`` outside jit; inside jit they are dropped, as
+MindSpore's kernels do (scatters use ``mode="drop"``, gathers read zeros, the kernels skip
+them), and :func:`adamkit.check_row_ids` turns them into a ``checkify`` error instead.
+Tables may be sharded by rows, on meshes with Auto or Explicit axes.
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ def _use_kernel(backend: str, *arrays, ids, num_rows: int) -> bool:
 
 
 def lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov, merge,
-               backend):
+              backend):
   """Adam on the rows of ``g`` only, duplicates summed first when ``merge``. Returns
   ``(ids, u_rows, m, v)`` with distinct ids (padding: ``num_rows``, dropped by scatters)."""
   if _use_kernel(backend, g.values, m, v, ids=g.indices, num_rows=g.num_rows):
     scalars = _kernels.kernel_scalars(eps_mode, b1, b2, eps, 0.0, 0.0, bc1, bc2)
     m, v, ids, u = _kernels.sparse_lazy_call(eps_mode, nesterov, merge, scalars, g.indices,
-                                           g.values, m, v, num_rows=g.num_rows)
+                                             g.values, m, v, num_rows=g.num_rows)
     return ids, u, m, v
   if merge:
     g = g.coalesce()
@@ -243,12 +243,12 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
   if _use_kernel(backend, var, m, v, g.values, ids=g.indices, num_rows=g.num_rows):
     scalars = _kernels.kernel_scalars("hat", hyper["b1"], hyper["b2"], hyper["eps"], lr, 0.0,
-                                    hyper["bc1"], hyper["bc2"])
+                                      hyper["bc1"], hyper["bc2"])
     m, v, var = _kernels.sparse_lazy_call("hat", use_nesterov, True, scalars, g.indices,
-                                        g.values, m, v, var, num_rows=g.num_rows)
+                                          g.values, m, v, var, num_rows=g.num_rows)
     return var, m, v
   ids, u, m, v = lazy_rows(g, m, v, eps_mode="hat", nesterov=use_nesterov, merge=True,
-                            backend="xla", **hyper)
+                           backend="xla", **hyper)
   rows = gather_rows(var, ids).astype(u.dtype) - lr * u
   return scatter_rows(var, ids, rows), m, v
 
