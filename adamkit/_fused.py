@@ -125,7 +125,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
   for name, flag in (("nesterov", nesterov), ("multi_tensor", multi_tensor), ("lazy", lazy),
                      ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
-  _validate.check_choice("backend", backend, ("auto", "kernel", "xla"))
+  _validate.check_choice("backend", backend, _kernels.BACKENDS)
   if not callable(weight_decay):
     _validate.check_non_negative("weight_decay", weight_decay)
   lr_schedule = _schedules.as_schedule(learning_rate, "learning_rate")
@@ -193,9 +193,12 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     if not lazy:
       sparse = []
 
+    def one_offset(i):  # a kernel call takes one offset into both moment buffers
+      return not multi_tensor or m_slots[i].offset == v_slots[i].offset
+
     def is_f32(i):
-      same = not multi_tensor or m_slots[i].offset == v_slots[i].offset  # one offset/call
-      return same and all(x.dtype == jnp.float32 for x in (leaves[i], g_l[i], m_l[i], v_l[i]))
+      return one_offset(i) and all(x.dtype == jnp.float32
+                                   for x in (leaves[i], g_l[i], m_l[i], v_l[i]))
 
     if backend == "kernel" and not _kernels.cpu_kernel_available():
       raise RuntimeError("backend='kernel' but the adamkit CPU kernel is not built: run "
@@ -206,11 +209,9 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     on_kernel = [i for i in range(len(leaves)) if use_kernel and is_f32(i) and i not in sparse
                  and (multi_tensor or backend == "kernel" or leaves[i].size >= _MIN_LEAF)]
     # A lazy row step runs on the kernel on one CPU device (auto), or when forced.
-    on_sparse_kernel = [i for i in sparse if use_kernel and is_f32(i)
-                        and g_l[i].indices.dtype == jnp.int32
-                        and g_l[i].num_rows <= np.iinfo(np.int32).max
-                        and (backend == "kernel" or _kernels.sparse_kernel_usable(
-                            leaves[i], g_l[i].values, m_l[i], v_l[i], ids=g_l[i].indices))]
+    on_sparse_kernel = [i for i in sparse if one_offset(i) and _kernels.use_sparse_kernel(
+        backend, leaves[i], g_l[i].values, m_l[i], v_l[i], ids=g_l[i].indices,
+        num_rows=g_l[i].num_rows)]
     if on_kernel or on_sparse_kernel:
       scalars = _kernels.kernel_scalars(kind, b1_, b2_, eps_, lr, wd, bc1, bc2)
     for i in on_sparse_kernel:

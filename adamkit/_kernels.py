@@ -36,6 +36,7 @@ _TARGET = "adamkit_cpu_step"
 _TARGETS = {_TARGET: "AdamkitCpuStep", "adamkit_cpu_sparse_lazy": "AdamkitCpuSparseLazy",
             "adamkit_cpu_row_add": "AdamkitCpuRowAdd"}
 _KIND = {"hat": 0, "corrected": 1, "adamax": 2}
+BACKENDS = ("auto", "kernel", "xla")  # the accepted values of every `backend` argument
 
 _lock = threading.Lock()
 _registered: bool | None = None
@@ -130,6 +131,22 @@ def kernel_scalars(kind: str, b1, b2, eps, lr, wd, bc1, bc2) -> jax.Array:
   f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
   b1, b2 = f32(b1), f32(b2)
   return jnp.stack([b1, 1.0 - b1, b2, 1.0 - b2, f32(eps), f32(lr), f32(wd), f32(c1), f32(c2)])
+
+
+def use_sparse_kernel(backend: str, *arrays, ids, num_rows: int) -> bool:
+  """Whether a lazy row step (or row add) on these arrays runs in the kernel, for a
+  ``backend`` argument: ``"xla"`` never; ``"kernel"`` for float32 arrays and int32 ids
+  (error if the kernel is not built); ``"auto"`` when :func:`sparse_kernel_usable`."""
+  if backend == "xla":
+    return False
+  if backend == "kernel" and not cpu_kernel_available():
+    raise RuntimeError("backend='kernel' but the adamkit CPU kernel is not built: run "
+                       "`python -m adamkit._kernels` (see adamkit.build_cpu_kernel).")
+  if num_rows > np.iinfo(np.int32).max:  # the kernel's ids and padding id are int32
+    return False
+  if backend == "kernel":  # forced: any device count; other dtypes still take the XLA path
+    return ids.dtype == jnp.int32 and all(a.dtype == jnp.float32 for a in arrays)
+  return sparse_kernel_usable(*arrays, ids=ids)
 
 
 def sparse_kernel_usable(*arrays, ids) -> bool:

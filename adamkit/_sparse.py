@@ -36,28 +36,12 @@ from adamkit._sparse_types import (
 
 # ---------------------------------------------------------------------------- helpers
 
-_BACKENDS = ("auto", "kernel", "xla")
-
-
-def _use_kernel(backend: str, *arrays, ids, num_rows: int) -> bool:
-  """Whether a lazy step runs in the CPU kernel (see the ``backend`` arguments)."""
-  if backend == "xla":
-    return False
-  if backend == "kernel" and not _kernels.cpu_kernel_available():
-    raise RuntimeError("backend='kernel' but the adamkit CPU kernel is not built: run "
-                       "`python -m adamkit._kernels` (see adamkit.build_cpu_kernel).")
-  if num_rows > np.iinfo(np.int32).max:  # the kernel's ids and padding id are int32
-    return False
-  if backend == "kernel":  # forced: any device count; other dtypes still take the XLA path
-    return ids.dtype == jnp.int32 and all(a.dtype == jnp.float32 for a in arrays)
-  return _kernels.sparse_kernel_usable(*arrays, ids=ids)
-
 
 def lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov, merge,
               backend):
   """Adam on the rows of ``g`` only, duplicates summed first when ``merge``. Returns
   ``(ids, u_rows, m, v)`` with distinct ids (padding: ``num_rows``, dropped by scatters)."""
-  if _use_kernel(backend, g.values, m, v, ids=g.indices, num_rows=g.num_rows):
+  if _kernels.use_sparse_kernel(backend, g.values, m, v, ids=g.indices, num_rows=g.num_rows):
     scalars = _kernels.kernel_scalars(eps_mode, b1, b2, eps, 0.0, 0.0, bc1, bc2)
     m, v, ids, u = _kernels.sparse_lazy_call(eps_mode, nesterov, merge, scalars, g.indices,
                                              g.values, m, v, num_rows=g.num_rows)
@@ -238,10 +222,10 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
     is the same rule.
   """
   _validate.check_bool("use_nesterov", use_nesterov)
-  _validate.check_choice("backend", backend, _BACKENDS)
+  _validate.check_choice("backend", backend, _kernels.BACKENDS)
   var, m, v, g = _fused_args(var, m, v, gradient, indices)
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
-  if _use_kernel(backend, var, m, v, g.values, ids=g.indices, num_rows=g.num_rows):
+  if _kernels.use_sparse_kernel(backend, var, m, v, g.values, ids=g.indices, num_rows=g.num_rows):
     scalars = _kernels.kernel_scalars("hat", hyper["b1"], hyper["b2"], hyper["eps"], lr, 0.0,
                                       hyper["bc1"], hyper["bc2"])
     m, v, var = _kernels.sparse_lazy_call("hat", use_nesterov, True, scalars, g.indices,
@@ -318,7 +302,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
-  _validate.check_choice("backend", backend, _BACKENDS)
+  _validate.check_choice("backend", backend, _kernels.BACKENDS)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
   def init_fn(params):
@@ -429,7 +413,7 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
-  _validate.check_choice("backend", backend, _BACKENDS)
+  _validate.check_choice("backend", backend, _kernels.BACKENDS)
 
   def direction(b1, b2, eps):
     return scale_by_sparse_adam(b1, b2, eps, lazy=lazy, eps_mode=eps_mode, nesterov=nesterov,
@@ -465,7 +449,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates, *,
     >>> ak.apply_updates(p, u)["emb"][:, 0]
     Array([0., 1., 0., 0.], dtype=float32)
   """
-  _validate.check_choice("backend", backend, _BACKENDS)
+  _validate.check_choice("backend", backend, _kernels.BACKENDS)
 
   def apply(p, u):
     if p is None:
@@ -475,7 +459,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates, *,
         raise ValueError(f"A RowSparse update of dense shape {u.shape} does not fit a "
                          f"parameter of shape {np.shape(p)}.")
       p = jnp.asarray(p)
-      if _use_kernel(backend, p, u.values, ids=u.indices, num_rows=u.num_rows):
+      if _kernels.use_sparse_kernel(backend, p, u.values, ids=u.indices, num_rows=u.num_rows):
         return _kernels.row_add_call(p, u.indices, u.values)
       ids = safe_ids(u.indices, u.num_rows)
       return scatter_rows(p, ids, u.values, add=True)
