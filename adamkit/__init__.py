@@ -5,13 +5,15 @@ return new params)::
 
   import adamkit as ak
   tx = ak.adam(1e-3, weight_decay=0.05)        # MindSpore nn.Adam semantics
+  tx = ak.adamw(1e-3, weight_decay=0.01, weight_decay_mask=None)   # Paddle AdamW
 """
 
 from adamkit import masks
 
 # Adam and AdaMax: primitives, named optimizers and their chain links.
-from adamkit._adam import ScaleByAdamState, adam, scale_by_adam
+from adamkit._adam import ScaleByAdamState, ScaleByAmsgradState, adam, scale_by_adam
 from adamkit._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
+from adamkit._adamw import adamw
 
 # State: save/restore, the next learning rate, framework state import.
 from adamkit._checkpoint import get_lr, load_state_dict, state_dict
@@ -30,6 +32,7 @@ from adamkit._links import (
     L2Decay,
     ScaleByLearningRateState,
     add_decay,
+    add_decoupled_decay,
     centralize_gradients,
     clip_by_norm,
     scale_by_learning_rate,
@@ -63,6 +66,8 @@ __all__ = [
     "L1Decay", "L2Decay", "ClipGradByGlobalNorm", "ClipGradByNorm", "ClipGradByValue",
     "clip_by_norm", "centralize_gradients", "scale_by_learning_rate",
     "ScaleByLearningRateState", "scale_by_loss_scale",
+    # AdamW and AMSGrad
+    "adamw", "add_decoupled_decay", "ScaleByAmsgradState",
     # state
     "get_lr", "state_dict", "load_state_dict", "from_mindspore_state", "from_paddle_state",
     # sparse

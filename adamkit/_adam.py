@@ -18,6 +18,15 @@ class ScaleByAdamState(NamedTuple):
   nu: optax.Updates  # second moment, params' shapes, ``nu_dtype`` or the params' dtype
 
 
+class ScaleByAmsgradState(NamedTuple):
+  """The state of ``scale_by_adam(amsgrad=True)``: Adam's, plus the running maximum."""
+
+  count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
+  mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
+  nu: optax.Updates  # second moment, params' shapes, ``nu_dtype`` or the params' dtype
+  nu_max: optax.Updates  # max of every nu so far (raw, not bias-corrected), as ``nu``
+
+
 def tree_map_multi(fn, n_out: int, tree, *rest):
   """``jax.tree.map`` for a ``fn`` returning an ``n_out``-tuple: returns ``n_out`` trees."""
   leaves, treedef = jax.tree.flatten(tree)
@@ -50,34 +59,63 @@ def check_adam_hyper(b1, b2, eps) -> None:
   _validate.check_positive("eps", eps)
 
 
-def adam_direction(g, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
-  """One leaf of the Adam step, in the docstring's order. Returns ``(u, m, v)`` in f32."""
+def adam_moments(g, m, v, *, b1, b2):
+  """The moment rows of the Adam step: returns ``(m_t, v_t)``."""
   m = b1 * m + (1.0 - b1) * g
   v = b2 * v + (1.0 - b2) * (g * g)
+  return m, v
+
+
+def adam_ratio(g, m, v, *, b1, eps, bc1, bc2, eps_mode, nesterov):
+  """The direction from the new moments: ``v`` is :math:`v_t`, or AMSGrad's running max.
+
+  ``bc1 = bc2 = 1`` turns bias correction off (the two eps modes then coincide).
+  """
   m_num = b1 * m + (1.0 - b1) * g if nesterov else m
   if eps_mode == "hat":
-    u = (jnp.sqrt(bc2) / bc1) * m_num / (jnp.sqrt(v) + eps)
-  else:
-    m_hat = m_num / bc1
-    v_hat = v / bc2
-    u = m_hat / (jnp.sqrt(v_hat) + eps)
+    return (jnp.sqrt(bc2) / bc1) * m_num / (jnp.sqrt(v) + eps)
+  m_hat = m_num / bc1
+  v_hat = v / bc2
+  return m_hat / (jnp.sqrt(v_hat) + eps)
+
+
+def adam_direction(g, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
+  """One leaf of the Adam step, in the docstring's order. Returns ``(u, m, v)`` in f32."""
+  m, v = adam_moments(g, m, v, b1=b1, b2=b2)
+  u = adam_ratio(g, m, v, b1=b1, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode,
+                 nesterov=nesterov)
   return u, m, v
 
 
+def amsgrad_direction(g, m, v, v_max, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
+  """One leaf of the AMSGrad step. Returns ``(u, m, v, v_max)`` in f32."""
+  m, v = adam_moments(g, m, v, b1=b1, b2=b2)
+  v_max = jnp.maximum(v_max, v)
+  u = adam_ratio(g, m, v_max, b1=b1, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode,
+                 nesterov=nesterov)
+  return u, m, v, v_max
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-                  eps_mode: str = "hat", nesterov: bool = False,
-                  mu_dtype: Any = None, nu_dtype: Any = None) -> optax.GradientTransformation:
+                  eps_mode: str = "hat", nesterov: bool = False, bias_correction: bool = True,
+                  amsgrad: bool = False, mu_dtype: Any = None,
+                  nu_dtype: Any = None) -> optax.GradientTransformation:
   r"""Rescales updates by Adam's moment estimates (no learning rate, no decay).
 
   .. math::
 
     m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t \\
     v_t &= \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
+    \bar v_t &= \max(\bar v_{t-1}, v_t) \text{ if amsgrad else } v_t \\
     n_t &= \beta_1 m_t + (1-\beta_1) g_t \text{ if nesterov else } m_t \\
-    u_t &= \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,\frac{n_t}{\sqrt{v_t}+\epsilon}
+    u_t &= \frac{\sqrt{c_2}}{c_1}\,\frac{n_t}{\sqrt{\bar v_t}+\epsilon}
           \quad\text{(eps\_mode="hat")} \\
-    u_t &= \frac{n_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)}+\epsilon}
+    u_t &= \frac{n_t/c_1}{\sqrt{\bar v_t/c_2}+\epsilon}
           \quad\text{(eps\_mode="corrected")}
+
+  with :math:`c_1 = 1-\beta_1^t`, :math:`c_2 = 1-\beta_2^t`, or
+  :math:`c_1 = c_2 = 1` when ``bias_correction=False`` (MindSpore ``AdamWeightDecay``; the
+  two eps modes are then the same formula, bit for bit).
 
   ``"hat"`` is the formula of MindSpore ``nn.Adam``/``nn.AdamOffload``, TensorFlow and
   ``torch.optim.SparseAdam`` (the :math:`\hat\epsilon` of the Adam paper, section 2);
@@ -98,19 +136,33 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     :math:`|\mathrm{fl}(\beta)-\beta|/(1-\beta)` relative (about 6e-6 for
     :math:`\beta_2 = 0.999`); for representable betas they agree to float32 rounding.
 
+  .. warning::
+    ``amsgrad=True`` keeps the maximum of the *raw* second moment :math:`v_t`, as PyTorch
+    (``torch.optim.Adam(amsgrad=True)``), Paddle (``moment2_max``) and MindSpore
+    (``ApplyAdamWithAmsgradV2``, ``vhat``) do. ``optax.amsgrad`` keeps the maximum of the
+    bias-corrected :math:`v_t/(1-\beta_2^t)` instead: since :math:`1-\beta_2^t` grows with
+    :math:`t`, an early large :math:`v` weighs more there, and once the maximum holds,
+    optax's denominator is larger by up to :math:`\sqrt{(1-\beta_2^t)/(1-\beta_2^s)}`
+    (:math:`s` the step of the maximum; a factor of about 3 for :math:`\beta_2 = 0.999`
+    between steps 100 and 1000).
+
   Args:
     b1: decay of the first moment, in (0, 1).
     b2: decay of the second moment, in (0, 1).
     eps: added to the denominator, > 0.
     eps_mode: ``"hat"`` or ``"corrected"`` (see above).
     nesterov: use the Nesterov numerator.
+    bias_correction: divide by :math:`1-\beta^t` (default); ``False`` is MindSpore
+      ``nn.AdamWeightDecay``, which has none.
+    amsgrad: use the running maximum of :math:`v_t` in the denominator (Reddi et al.).
     mu_dtype: dtype of the first moment (e.g. ``jnp.bfloat16`` to halve its memory);
       default: the params' dtype. The arithmetic is always float32 or wider.
     nu_dtype: dtype of the second moment, likewise (``jnp.bfloat16`` keeps its 8-bit
       exponent, so :math:`g^2` neither under- nor overflows as it would in float16).
 
   Returns:
-    An ``optax.GradientTransformation`` with state :class:`ScaleByAdamState`.
+    An ``optax.GradientTransformation`` with state :class:`ScaleByAdamState`, or
+    :class:`ScaleByAmsgradState` with ``amsgrad=True``.
 
   Examples:
     >>> import jax.numpy as jnp, adamkit as ak
@@ -122,33 +174,48 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
   References:
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
-    Reproduces MindSpore 2.10 ``nn.Adam`` and PaddlePaddle 3.3.1 ``optimizer.Adam``.
+    Reddi, Kale & Kumar, "On the Convergence of Adam and Beyond", ICLR 2018 (AMSGrad).
+    Reproduces MindSpore 2.10 ``nn.Adam`` (``use_amsgrad``) and ``nn.AdamWeightDecay``'s
+    direction, PaddlePaddle 3.3.1 ``optimizer.Adam`` / ``AdamW`` (``amsgrad``).
   """
   check_adam_hyper(b1, b2, eps)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("nesterov", nesterov)
+  _validate.check_bool("bias_correction", bias_correction)
+  _validate.check_bool("amsgrad", amsgrad)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 
   def init_fn(params):
     _validate.check_float_params(params)
     mu, nu = zero_moments(params, mu_dtype, nu_dtype)
-    return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+    count = jnp.zeros([], jnp.int32)
+    if amsgrad:
+      _, nu_max = zero_moments(params, mu_dtype, nu_dtype)
+      return ScaleByAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
+    return ScaleByAdamState(count=count, mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):
     _validate.check_dense_grads(updates, "ak.scale_by_adam")
     _validate.check_matching_trees(updates, state.nu, what="optimizer state")
     count = optax.safe_increment(state.count)
-    bc1, bc2 = bias_corrections(b1, b2, count)
-    b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
+    if bias_correction:
+      bc1, bc2 = bias_corrections(b1, b2, count)
+    else:
+      bc1 = bc2 = jnp.ones([], jnp.float32)
+    hyper = dict(b1=jnp.asarray(b1, jnp.float32), b2=jnp.asarray(b2, jnp.float32),
+                 eps=jnp.asarray(eps, jnp.float32), bc1=bc1, bc2=bc2, eps_mode=eps_mode,
+                 nesterov=nesterov)
 
-    def leaf(g, m_old, v_old):
+    def leaf(g, *olds):  # olds: (m, v) or (m, v, v_max), each kept in its own dtype
       dt = compute_dtype(g)
-      u, m, v = adam_direction(g.astype(dt), m_old.astype(dt), v_old.astype(dt), b1=b1_, b2=b2_,
-                               eps=eps_, bc1=bc1, bc2=bc2, eps_mode=eps_mode,
-                               nesterov=nesterov)
-      return u.astype(g.dtype), m.astype(m_old.dtype), v.astype(v_old.dtype)
+      step = amsgrad_direction if amsgrad else adam_direction
+      u, *news = step(g.astype(dt), *(x.astype(dt) for x in olds), **hyper)
+      return (u.astype(g.dtype), *(n.astype(o.dtype) for n, o in zip(news, olds)))
 
+    if amsgrad:
+      u, mu, nu, nu_max = tree_map_multi(leaf, 4, updates, state.mu, state.nu, state.nu_max)
+      return u, ScaleByAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
     u, mu, nu = tree_map_multi(leaf, 3, updates, state.mu, state.nu)
     return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
@@ -157,7 +224,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
 def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
          b2: float = 0.999, eps: float = 1e-8, *, eps_mode: str = "hat",
-         nesterov: bool = False, weight_decay: Any = 0.0,
+         nesterov: bool = False, amsgrad: bool = False, weight_decay: Any = 0.0,
          weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
          loss_scale: float = 1.0, grad_clip: _links.GradClip = None,
          grad_centralization: bool = False, groups=None, mu_dtype: Any = None,
@@ -178,12 +245,16 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
   Args:
     learning_rate: a number >= 0, a 0-d array, a 1-D array or iterable (step ``i`` uses
       element ``i``, later steps the last), or a schedule ``count -> lr``.
-    b1, b2, eps, eps_mode, nesterov, mu_dtype, nu_dtype: see :func:`scale_by_adam`.
+    b1, b2, eps, eps_mode, nesterov, amsgrad, mu_dtype, nu_dtype: see
+      :func:`scale_by_adam`. ``amsgrad=True`` is MindSpore ``nn.Adam(use_amsgrad=True)``
+      (``eps_mode="hat"``) and Paddle ``Adam(amsgrad=True)`` (``eps_mode="corrected"``).
     weight_decay: L2 coefficient (number >= 0 or schedule), or ``ak.L1Decay(c)`` /
       ``ak.L2Decay(c)``. Coupled: added to the gradient, not decoupled as in AdamW.
     weight_decay_mask: which leaves decay. Default: every leaf whose path does not
       contain ``"beta"`` or ``"gamma"`` (MindSpore). ``None``: every leaf (Paddle).
-      Also a bool pytree, a callable ``params -> bool tree`` or an ``ak.masks`` rule.
+      Also a bool pytree, a callable ``params -> bool tree`` (optax's convention) or an
+      ``ak.masks`` rule; a predicate on the leaf's dotted name (Paddle's
+      ``apply_decay_param_fun``) is ``ak.masks.name_rule(fn)``.
     loss_scale: gradients are divided by it first (MindSpore), > 0.
     grad_clip: ``ak.ClipGradByGlobalNorm``/``ClipGradByNorm``/``ClipGradByValue`` or any
       optax transform; applied after unscaling and before decay (Paddle's order).
@@ -214,11 +285,12 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
   check_adam_hyper(b1, b2, eps)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("nesterov", nesterov)
+  _validate.check_bool("amsgrad", amsgrad)
   _validate.check_bool("grad_centralization", grad_centralization)
 
   def direction(b1, b2, eps):
-    return scale_by_adam(b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov, mu_dtype=mu_dtype,
-                         nu_dtype=nu_dtype)
+    return scale_by_adam(b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov, amsgrad=amsgrad,
+                         mu_dtype=mu_dtype, nu_dtype=nu_dtype)
 
   return _groups.build_named(
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),

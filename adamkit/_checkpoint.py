@@ -8,17 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adamkit._adam import ScaleByAdamState
+from adamkit._adam import ScaleByAdamState, ScaleByAmsgradState
 from adamkit._adamax import ScaleByAdamaxState
 from adamkit._links import ScaleByLearningRateState
 from adamkit._sparse import ScaleBySparseAdamState
 from adamkit._validate import path_name
 
-_MOMENT_STATES = (ScaleByAdamState, ScaleByAdamaxState, ScaleBySparseAdamState)
+_MOMENT_STATES = (ScaleByAdamState, ScaleByAmsgradState, ScaleByAdamaxState,
+                  ScaleBySparseAdamState)
+# Per-parameter fields of a moment state and their names in a state dict.
+_MOMENT_FIELDS = (("mu", "moment1"), ("nu", "moment2"), ("nu_max", "moment2_max"))
 
 
 def is_moment_state(x) -> bool:
-  """A per-parameter ``(count, mu, nu)`` state node: Adam, AdaMax or sparse Adam."""
+  """A per-parameter ``(count, mu, nu[, nu_max])`` state node: Adam, AMSGrad, AdaMax or
+  sparse Adam."""
   return isinstance(x, _MOMENT_STATES)
 
 
@@ -45,7 +49,9 @@ def _named_leaves(state: Any) -> list[tuple[str, Any]]:
     if n_moment > 1:
       prefix = (group or path_name(path)) + "."
     out.append((prefix + "step", node.count))
-    for field, suffix in (("mu", "moment1"), ("nu", "moment2")):
+    for field, suffix in _MOMENT_FIELDS:
+      if field not in node._fields:
+        continue
       for p, leaf in jax.tree_util.tree_flatten_with_path(getattr(node, field))[0]:
         out.append((f"{path_name(p) or 'param'}.{suffix}", leaf))
   return out
@@ -55,7 +61,8 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   """A flat dict of named NumPy arrays for ``state``: MindSpore/Paddle-style names.
 
   Moments are named after the parameter they belong to: ``"<param>.moment1"`` (first
-  moment, Paddle ``moment1`` / MindSpore ``moment1.<param>``) and ``"<param>.moment2"``;
+  moment, Paddle ``moment1`` / MindSpore ``moment1.<param>``), ``"<param>.moment2"`` and,
+  with AMSGrad, ``"<param>.moment2_max"`` (Paddle ``moment2_max``, MindSpore ``vhat``);
   the step count is ``"step"`` (``"<group>.step"`` with parameter groups). Every other
   state leaf (schedule counters, ...) is kept under ``"state.<path>"`` so that
   :func:`load_state_dict` restores the whole state exactly.
@@ -84,7 +91,7 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   if params is not None:
     shapes = {path_name(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     for name, arr in out.items():
-      if name.endswith((".moment1", ".moment2")):
+      if name.endswith((".moment1", ".moment2", ".moment2_max")):
         pname = name.rsplit(".", 1)[0]
         if pname in shapes and shapes[pname] != arr.shape:
           raise ValueError(f"state_dict: '{name}' has shape {arr.shape}, param has {shapes[pname]}.")

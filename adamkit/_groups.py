@@ -134,13 +134,15 @@ DirectionFactory = Callable[..., optax.GradientTransformation]
 def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[str, Any],
                 weight_decay, weight_decay_mask, loss_scale, grad_clip, groups,
                 grad_centralization=False, nonfinite="propagate",
-                lr_link=None, dense_only: str | None = None) -> optax.GradientTransformation:
+                lr_link=None, dense_only: str | None = None,
+                decoupled: bool = False) -> optax.GradientTransformation:
   """Assembles ``check -> unscale -> clip -> [per group: decay -> gc -> direction -> -lr]``.
 
   ``hyper`` holds the per-group-overridable hyperparameters (``b1``, ``b2``, ``eps``),
   already validated. ``lr_link`` builds the learning-rate link (default
   :func:`adamkit._links.scale_by_learning_rate`). ``dense_only``: the optimizer's name, to
-  refuse row-sparse gradients up front with a clear error.
+  refuse row-sparse gradients up front with a clear error. ``decoupled``: the decay link
+  goes after the direction instead (AdamW: ``[gc -> direction -> decay -> -lr]``).
   """
   _validate.check_choice("nonfinite", nonfinite, ("propagate", "skip"))
   lr_link = lr_link or _links.scale_by_learning_rate
@@ -149,11 +151,13 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
 
   def inner(lr, wd, mask, gc, hp):
     links = []
-    if not _is_literal_zero(wd):
+    if not _is_literal_zero(wd) and not decoupled:
       links.append(_links.add_decay(wd, mask, kind=decay_kind))
     if gc:
       links.append(_links.centralize_gradients())
     links.append(direction(**hp))
+    if not _is_literal_zero(wd) and decoupled:
+      links.append(_links.add_decoupled_decay(wd, mask))
     links.append(lr_link(lr))
     return optax.chain(*links)
 

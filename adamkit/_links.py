@@ -208,6 +208,44 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def add_decoupled_decay(weight_decay: Any = 0.0,
+                        mask: _masks.MaskSpec = None) -> optax.GradientTransformation:
+  r"""Decoupled weight decay (AdamW): adds :math:`\lambda_t w` to the *direction*.
+
+  .. math::
+
+    u \leftarrow u + \lambda_t\, w \quad\text{(leaves chosen by mask)}
+
+  The arithmetic is :func:`add_decay`'s; what makes the decay decoupled is where the link
+  sits: after the ``scale_by_*`` direction and before the learning rate, so the decay never
+  enters Adam's moments and the rate multiplies it,
+  :math:`w \leftarrow w - \alpha_t (u + \lambda_t w)`. That is MindSpore
+  ``nn.AdamWeightDecay`` literally (``update += wd * param``, then ``param -= lr * update``)
+  and ``optax.add_decayed_weights`` in ``optax.adamw``; Paddle ``AdamW`` and
+  ``torch.optim.AdamW`` first scale :math:`w \leftarrow w(1 - \alpha_t\lambda)` and then
+  take the Adam step, which expands to the same update (the two differ by float32 rounding
+  only, at most one unit in the last place of :math:`w` per step).
+
+  Args:
+    weight_decay: :math:`\lambda`, a number ``>= 0`` or a schedule ``count -> value``.
+    mask: which leaves decay (any form :func:`adamkit.masks.resolve_mask` takes).
+
+  Returns:
+    An ``optax.GradientTransformation`` with state :class:`AddDecayState`; ``update``
+    needs ``params``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, adamkit as ak
+    >>> params = {"w": jnp.array([2.0, -4.0])}
+    >>> tx = optax.chain(ak.scale_by_adam(), ak.add_decoupled_decay(0.5),
+    ...                  ak.scale_by_learning_rate(0.1))
+    >>> u, _ = tx.update({"w": jnp.zeros(2)}, tx.init(params), params)
+    >>> u["w"]  # zero gradient: only the decay, -lr * wd * w
+    Array([-0.1,  0.2], dtype=float32)
+  """
+  return add_decay(weight_decay, mask, kind="l2")
+
+
 # -------------------------------------------------------------- centralization
 
 

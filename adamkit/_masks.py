@@ -1,9 +1,11 @@
 """Which leaves weight decay applies to.
 
 A mask is given as ``None`` (every leaf), a bool pytree matching the params, a callable
-``params -> bool pytree``, or one of the rule objects here. Rules are deliberately *not*
-callable: ``optax.inject_hyperparams`` treats every callable keyword as a schedule, so a
-callable default would be called with a step count.
+``params -> bool pytree`` (optax's convention), or one of the rule objects here. A
+predicate on the leaf's dotted name (Paddle's ``apply_decay_param_fun``) is wrapped in
+:func:`name_rule`, so a plain callable always means ``params -> bool tree``. Rules are
+deliberately *not* callable: ``optax.inject_hyperparams`` treats every callable keyword as
+a schedule, so a callable default would be called with a step count.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ class MinNdim(MaskRule):
     return np.ndim(leaf) >= self.ndim
 
 
+@dataclasses.dataclass(frozen=True)
+class NameRule(MaskRule):
+  """Decay the leaves for which ``predicate(dotted_name)`` is true."""
+
+  predicate: Callable[[str], Any]
+
+  def keep(self, name, leaf):
+    return bool(self.predicate(name))
+
+
 def mindspore_rule() -> ExcludeNames:
   """MindSpore's default: skip every leaf whose name contains 'beta' or 'gamma'."""
   return ExcludeNames(("beta", "gamma"))
@@ -90,6 +102,22 @@ def match_names(*patterns: str) -> MatchNames:
   return MatchNames(tuple(patterns))
 
 
+def name_rule(predicate: Callable[[str], Any]) -> NameRule:
+  """Decay the leaves whose dotted path satisfies ``predicate``: Paddle's
+  ``apply_decay_param_fun``.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> rule = ak.masks.name_rule(lambda name: not name.endswith("bias"))
+    >>> ak.masks.resolve_mask(rule, {"fc": {"weight": jnp.ones(2), "bias": jnp.ones(2)}})
+    {'fc': {'bias': False, 'weight': True}}
+  """
+  if not callable(predicate) or isinstance(predicate, MaskRule):
+    raise TypeError("`name_rule` takes a callable name -> bool (Paddle's apply_decay_param_fun), "
+                    f"got {type(predicate).__name__}.")
+  return NameRule(predicate)
+
+
 # The default of every named optimizer: MindSpore's rule.
 MINDSPORE_DEFAULT = ExcludeNames(("beta", "gamma"))
 
@@ -103,5 +131,17 @@ def resolve_mask(spec: MaskSpec, params: Any) -> Any:
   if isinstance(spec, MaskRule):
     return spec.mask(params)
   if callable(spec):
-    return spec(params)
+    tree = spec(params)
+    if isinstance(tree, (bool, np.bool_)) and not _is_single_leaf(params):
+      raise TypeError(
+          "`weight_decay_mask`: a callable mask takes the params and returns a bool tree "
+          f"(optax's convention), but this one returned {tree!r} for the whole tree. For a "
+          "predicate on each leaf's name (Paddle's apply_decay_param_fun) pass "
+          "`ak.masks.name_rule(fn)`.")
+    return tree
   return spec
+
+
+def _is_single_leaf(params) -> bool:
+  leaves = jax.tree.leaves(params)
+  return len(leaves) == 1 and leaves[0] is params
