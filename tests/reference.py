@@ -14,18 +14,26 @@ def _f64(tree):
 
 
 class NumpyAdam:
-  """MindSpore nn.Adam / Paddle Adam, with every option of ak.adam, in float64."""
+  """MindSpore nn.Adam / Paddle Adam, with every option of ak.adam, in float64.
+
+  ``decoupled="mindspore"`` is nn.AdamWeightDecay's order (``u += wd * w``, then
+  ``w -= lr * u``), ``decoupled="paddle"`` Paddle AdamW's and torch AdamW's (``w *= 1 - lr *
+  wd`` on the old ``w`` first, then the Adam step); ``None`` is L2 decay in the gradient.
+  ``amsgrad``: the raw second moment's running maximum replaces ``v`` in the denominator.
+  """
 
   def __init__(self, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, *, eps_mode="hat",
                nesterov=False, weight_decay=0.0, decay=lambda name: True, loss_scale=1.0,
-               l1=False, clip=None, gc=lambda name: False, algo="adam", lr_of=None):
+               l1=False, clip=None, gc=lambda name: False, algo="adam", lr_of=None,
+               amsgrad=False, bias_correction=True, decoupled=None):
     self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
     self.eps_mode, self.nesterov, self.algo = eps_mode, nesterov, algo
     self.wd, self.decay, self.loss_scale, self.l1 = weight_decay, decay, loss_scale, l1
     self.clip, self.gc = clip, gc
     self.lr_of = lr_of  # optional: name -> lr multiplier function of the step
+    self.amsgrad, self.bias_correction, self.decoupled = amsgrad, bias_correction, decoupled
     self.t = 0
-    self.m, self.v = {}, {}
+    self.m, self.v, self.vmax = {}, {}, {}
 
   def lr_at(self, t):
     lr = self.lr
@@ -54,26 +62,33 @@ class NumpyAdam:
     lr = self.lr_at(self.t)
     for k, w in params.items():
       g = grads[k]
-      if self.decay(k):
+      lr_k = lr * (self.lr_of(k) if self.lr_of is not None else 1.0)
+      if self.decoupled == "paddle" and self.decay(k):
+        w = w * (1.0 - lr_k * wd)
+      if self.decay(k) and self.decoupled is None:
         g = g + wd * (np.sign(w) if self.l1 else w)
       if self.gc(k) and g.ndim > 1:
         g = g - g.mean(axis=tuple(range(1, g.ndim)), keepdims=True)
       m = self.m.get(k, np.zeros_like(w))
       v = self.v.get(k, np.zeros_like(w))
       m = self.b1 * m + (1 - self.b1) * g
+      c1, c2 = (1 - self.b1 ** t, 1 - self.b2 ** t) if self.bias_correction else (1.0, 1.0)
       if self.algo == "adamax":
         v = np.maximum(self.b2 * v, np.abs(g))
-        step = lr / (1 - self.b1 ** t) * m / (v + self.eps)
+        u = m / c1 / (v + self.eps)
       else:
         v = self.b2 * v + (1 - self.b2) * g * g
+        den = v
+        if self.amsgrad:
+          den = self.vmax[k] = np.maximum(self.vmax.get(k, np.zeros_like(w)), v)
         num = self.b1 * m + (1 - self.b1) * g if self.nesterov else m
         if self.eps_mode == "hat":
-          step = lr * np.sqrt(1 - self.b2 ** t) / (1 - self.b1 ** t) * num / (np.sqrt(v) + self.eps)
+          u = np.sqrt(c2) / c1 * num / (np.sqrt(den) + self.eps)
         else:
-          step = lr * (num / (1 - self.b1 ** t)) / (np.sqrt(v / (1 - self.b2 ** t)) + self.eps)
-      if self.lr_of is not None:
-        step = step * self.lr_of(k)
+          u = (num / c1) / (np.sqrt(den / c2) + self.eps)
+      if self.decoupled == "mindspore" and self.decay(k):
+        u = u + wd * w
       self.m[k], self.v[k] = m, v
-      out[k] = w - step
+      out[k] = w - lr_k * u
     self.t = t
     return out

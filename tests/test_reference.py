@@ -212,3 +212,45 @@ def test_groups_match_reference():
   np.testing.assert_allclose(params["bn.gamma"], rb["bn.gamma"], rtol=1e-5, atol=1e-6)
   lrs = ak.get_lr(state)
   assert float(lrs["group0"]) == pytest.approx(0.03) and float(lrs["group1"]) == pytest.approx(0.005)
+
+
+@SETTINGS
+@given(h=hyper, shape=shapes, seed=st.integers(0, 2**16), eps_mode=st.sampled_from(["hat", "corrected"]),
+       bias_correction=st.booleans(), amsgrad=st.booleans(), wd=st.sampled_from([0.0, 0.05, 0.3]),
+       mask=st.sampled_from(["mindspore", "none", "name_rule"]),
+       order=st.sampled_from(["mindspore", "paddle"]), loss_scale=st.sampled_from([1.0, 64.0]))
+def test_adamw_matches_float64_reference(h, shape, seed, eps_mode, bias_correction, amsgrad, wd,
+                                         mask, order, loss_scale):
+  # Either framework's literal order of the decoupled decay (MindSpore: u += wd w before the
+  # lr; Paddle: w *= 1 - lr wd first) is the same trajectory as ak.adamw's chain.
+  params, grads = make_problem(seed, shape)
+  grads = [{k: g * loss_scale for k, g in gs.items()} for gs in grads]
+  spec, decay = {
+      "mindspore": (ak.masks.mindspore_rule(), lambda k: "gamma" not in k),
+      "none": (None, lambda k: True),
+      "name_rule": (ak.masks.name_rule(lambda n: n.startswith("bn")), lambda k: k.startswith("bn")),
+  }[mask]
+  tx = ak.adamw(h["lr"], h["b1"], h["b2"], h["eps"], weight_decay=wd, weight_decay_mask=spec,
+                bias_correction=bias_correction, eps_mode=eps_mode, amsgrad=amsgrad,
+                loss_scale=loss_scale)
+  ref = NumpyAdam(h["lr"], h["b1"], h["b2"], h["eps"], eps_mode=eps_mode, weight_decay=wd,
+                  decay=decay, bias_correction=bias_correction, amsgrad=amsgrad, decoupled=order,
+                  loss_scale=loss_scale)
+  assert run_both(tx, ref, params, grads) < 2e-5
+
+
+@SETTINGS
+@given(h=hyper, shape=shapes, seed=st.integers(0, 2**16), eps_mode=st.sampled_from(["hat", "corrected"]),
+       nesterov=st.booleans(), wd=st.sampled_from([0.0, 0.05]))
+def test_adam_amsgrad_matches_float64_reference(h, shape, seed, eps_mode, nesterov, wd):
+  # MindSpore nn.Adam(use_amsgrad=True) ("hat", L2 decay in the gradient) and Paddle
+  # Adam(amsgrad=True) ("corrected").
+  params, grads = make_problem(seed, shape)
+  # a shrinking gradient, so that the running max and v_t part ways (test_adamw.py shows on
+  # a fixed sequence that the max changes the trajectory)
+  grads = [{k: g * 0.1 ** i for k, g in gs.items()} for i, gs in enumerate(grads)]
+  tx = ak.adam(h["lr"], h["b1"], h["b2"], h["eps"], eps_mode=eps_mode, nesterov=nesterov,
+               amsgrad=True, weight_decay=wd)
+  ref = NumpyAdam(h["lr"], h["b1"], h["b2"], h["eps"], eps_mode=eps_mode, nesterov=nesterov,
+                  amsgrad=True, weight_decay=wd, decay=lambda k: "gamma" not in k)
+  assert run_both(tx, ref, params, grads) < 2e-5
