@@ -17,7 +17,7 @@ from adamkit._validate import path_name
 _MOMENT_STATES = (ScaleByAdamState, ScaleByAmsgradState, ScaleByAdamaxState,
                   ScaleBySparseAdamState)
 # Per-parameter fields of a moment state and their names in a state dict.
-_MOMENT_FIELDS = (("mu", "moment1"), ("nu", "moment2"), ("nu_max", "moment2_max"))
+MOMENT_FIELDS = (("mu", "moment1"), ("nu", "moment2"), ("nu_max", "moment2_max"))
 
 
 def is_moment_state(x) -> bool:
@@ -49,7 +49,7 @@ def _named_leaves(state: Any) -> list[tuple[str, Any]]:
     if n_moment > 1:
       prefix = (group or path_name(path)) + "."
     out.append((prefix + "step", node.count))
-    for field, suffix in _MOMENT_FIELDS:
+    for field, suffix in MOMENT_FIELDS:
       if field not in node._fields:
         continue
       for p, leaf in jax.tree_util.tree_flatten_with_path(getattr(node, field))[0]:

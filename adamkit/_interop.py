@@ -2,10 +2,12 @@ r"""Import optimizer state saved by Paddle or MindSpore into an adamkit state.
 
 Both frameworks keep Adam's moments per parameter under predictable names:
 
-- Paddle: ``<param>_moment1_0``, ``<param>_moment2_0``, and the step in
+- Paddle (``Adam`` and ``AdamW``): ``<param>_moment1_0``, ``<param>_moment2_0``, with
+  ``amsgrad=True`` also ``<param>_moment2_max_0``, and the step in
   ``<param>_beta1_pow_acc_0`` :math:`=\beta_1^{t+1}` (it starts at :math:`\beta_1`);
-- MindSpore: ``moment1.<param>``, ``moment2.<param>``, and the step in ``beta1_power``
-  :math:`=\beta_1^t`.
+- MindSpore: ``moment1.<param>``, ``moment2.<param>`` (``nn.Adam``, ``nn.AdaMax``), with
+  ``use_amsgrad=True`` also ``vhat.<param>``, or ``adam_m.<param>``, ``adam_v.<param>``
+  (``nn.AdamWeightDecay``), and the step in ``beta1_power`` :math:`=\beta_1^t`.
 
 The functions here take such a dict of arrays (``paddle.load(path, return_numpy=True)``
 of a ``.pdopt`` file, or ``{k: v.asnumpy() for k, v in mindspore.load_checkpoint(path)
@@ -26,7 +28,7 @@ import numpy as np
 import optax
 
 from adamkit._adamax import ScaleByAdamaxState
-from adamkit._checkpoint import is_moment_state
+from adamkit._checkpoint import MOMENT_FIELDS, is_moment_state
 from adamkit._links import ScaleByLearningRateState
 from adamkit._validate import path_name
 
@@ -40,7 +42,9 @@ def from_paddle_state(pdopt: Mapping[str, Any], params: optax.Params,
   r"""An adamkit state holding the moments and step of a Paddle ``Adam`` state dict.
 
   For a parameter named ``p`` Paddle stores :math:`m_t` as ``p_moment1_0``, :math:`v_t` as
-  ``p_moment2_0`` and the accumulators ``p_beta1_pow_acc_0`` :math:`=\beta_1^{t+1}` and
+  ``p_moment2_0``, AMSGrad's running maximum as ``p_moment2_max_0`` (``Adam`` /
+  ``AdamW(amsgrad=True)``; it fills :class:`~adamkit.ScaleByAmsgradState`'s ``nu_max``) and
+  the accumulators ``p_beta1_pow_acc_0`` :math:`=\beta_1^{t+1}` and
   ``p_beta2_pow_acc_0`` :math:`=\beta_2^{t+1}` (they start at :math:`\beta` and are
   multiplied by it after each step). The step is
 
@@ -56,7 +60,9 @@ def from_paddle_state(pdopt: Mapping[str, Any], params: optax.Params,
       (``LR_Scheduler``, ``master_weights``) are ignored.
     params: the adamkit params, e.g. a dict keyed by Paddle's parameter names.
     tx: the adamkit optimizer that will continue training; use
-      ``ak.adam(..., eps_mode="corrected", weight_decay_mask=None)`` for Paddle's numerics.
+      ``ak.adam(..., eps_mode="corrected", weight_decay_mask=None)`` for Paddle's ``Adam``,
+      ``ak.adamw(..., eps_mode="corrected", weight_decay_mask=None)`` for ``AdamW`` (the
+      same accumulators), with ``amsgrad=True`` where Paddle had it.
     names: how a leaf's dotted path becomes a Paddle name: ``None`` (the path itself),
       a dict ``{path: paddle_name}`` or a callable ``path -> paddle_name``.
     step: the number of steps taken, if known; otherwise read from the accumulators.
@@ -98,16 +104,22 @@ def from_mindspore_state(ckpt: Mapping[str, Any], params: optax.Params,
   ``nn.Adam`` and ``nn.AdaMax`` save :math:`m_t` as ``moment1.<param>`` and the second
   moment (:math:`v_t`, or AdaMax's infinity norm) as ``moment2.<param>``, next to the
   scalars ``beta1_power`` :math:`=\beta_1^t` and (Adam) ``beta2_power``
-  :math:`=\beta_2^t`. The step is
+  :math:`=\beta_2^t`; ``nn.Adam(use_amsgrad=True)`` keeps the running maximum of
+  :math:`v_t` as ``vhat.<param>`` (it fills :class:`~adamkit.ScaleByAmsgradState`'s
+  ``nu_max``). ``nn.AdamWeightDecay`` names its moments ``adam_m.<param>`` and
+  ``adam_v.<param>`` and keeps no beta powers. The step is
   :math:`t = \mathrm{round}(\log(\texttt{beta1\_power}) / \log\beta_1)`. (``global_step``
-  is only advanced with a dynamic learning rate or weight decay, so it is a last resort.)
+  is only advanced with a dynamic learning rate or weight decay, so it is a last resort;
+  for ``AdamWeightDecay`` with a constant rate pass ``step=``: without bias correction
+  any step continues the same trajectory.)
 
   Args:
     ckpt: the checkpoint as arrays, e.g. ``{k: v.asnumpy() for k, v in
       mindspore.load_checkpoint(path).items()}``; the network's own weights may be in it.
     params: the adamkit params, e.g. a dict keyed by MindSpore's parameter names.
     tx: the adamkit optimizer that will continue (``ak.adam`` or ``ak.adamax`` with
-      MindSpore's defaults).
+      MindSpore's defaults, ``ak.adam(amsgrad=True)`` for ``use_amsgrad``, or
+      ``ak.adamw(..., bias_correction=False, eps_mode="hat")`` for ``AdamWeightDecay``).
     names: how a leaf's dotted path becomes a MindSpore name: ``None`` (the path itself),
       a dict ``{path: mindspore_name}`` or a callable ``path -> mindspore_name``.
     step: the number of steps taken, if known; otherwise read from ``beta1_power``.
@@ -130,8 +142,11 @@ def from_mindspore_state(ckpt: Mapping[str, Any], params: optax.Params,
   """
 
   def lookup(name, what):
-    key = f"{what}.{name}"
-    return (key, ckpt[key]) if key in ckpt else None
+    hits = [f"{prefix}.{name}" for prefix in _MINDSPORE_PREFIXES[what]
+            if f"{prefix}.{name}" in ckpt]
+    if len(hits) > 1:
+      raise ValueError(f"Several MindSpore moments match {name!r}/{what}: {hits}.")
+    return (hits[0], ckpt[hits[0]]) if hits else None
 
   def powers():
     return {k: ckpt[k] for k in ("beta1_power", "beta2_power", "global_step") if k in ckpt}
@@ -142,6 +157,12 @@ def from_mindspore_state(ckpt: Mapping[str, Any], params: optax.Params,
 
 
 # --------------------------------------------------------------------------- helpers
+
+# adamkit's state-dict suffix -> MindSpore's parameter prefixes: nn.Adam / nn.AdaMax
+# (``moment1``, ``moment2``, ``vhat`` with use_amsgrad) and nn.AdamWeightDecay
+# (``adam_m``, ``adam_v``).
+_MINDSPORE_PREFIXES = {"moment1": ("moment1", "adam_m"), "moment2": ("moment2", "adam_v"),
+                       "moment2_max": ("vhat",)}
 
 
 def _find_suffixed(pdopt, name, what):
@@ -266,8 +287,9 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
         raise ValueError(
             f"{framework}'s Adamax keeps eps inside its infinity norm; ak.adamax follows "
             "MindSpore, so this state would not continue the same trajectory.")
-      return node._replace(count=_set_count(node.count, t), mu=fill_tree(node.mu, "moment1"),
-                           nu=fill_tree(node.nu, "moment2"))
+      moments = {field: fill_tree(getattr(node, field), what)
+                 for field, what in MOMENT_FIELDS if field in node._fields}
+      return node._replace(count=_set_count(node.count, t), **moments)
     if "count" in node._fields:
       return node._replace(count=_set_count(node.count, t))
     return node

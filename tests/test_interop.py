@@ -286,3 +286,78 @@ def test_fused_state_is_refused_clearly():
           "beta1_power": np.array([0.9 ** 5], np.float32)}
   with pytest.raises(ValueError, match="no Adam or AdaMax moments"):
     ak.from_mindspore_state(ckpt, {"w": jnp.ones((2, 3))}, ak.fused_adam(1e-3))
+
+
+def _amsgrad_nodes(state):
+  return [n for n in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ak.ScaleByAmsgradState))
+          if isinstance(n, ak.ScaleByAmsgradState)]
+
+
+def _named(tree):
+  return {".".join(str(k.key) for k in path): np.asarray(x)
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ak.adam(0.01, eps_mode="corrected", weight_decay_mask=None, amsgrad=True),
+    lambda: ak.adamw(0.01, weight_decay=0.05, eps_mode="corrected", weight_decay_mask=None,
+                     amsgrad=True),
+], ids=["Adam", "AdamW"])
+def test_paddle_amsgrad_import_continues_bit_identical(make):
+  # Paddle Adam/AdamW(amsgrad=True): moment1, moment2, moment2_max and the beta pows.
+  n, m = 5, 4
+  params = _params()
+  grads = [jax.tree.map(lambda g, i=i: g * 0.5 ** i, g) for i, g in enumerate(_grads(n + m, params))]
+  tx = make()
+  p_mid, s_mid = _run(tx, params, tx.init(params), grads[:n])
+  p_full, s_full = _run(tx, p_mid, s_mid, grads[n:])
+  (node,) = _amsgrad_nodes(s_mid)
+  pdopt = {}
+  for field, what in (("mu", "moment1"), ("nu", "moment2"), ("nu_max", "moment2_max")):
+    for name, x in _named(getattr(node, field)).items():
+      pdopt[f"{name}_{what}_0"] = x
+  for name in params:
+    pdopt[name + "_beta1_pow_acc_0"] = np.array([_f32_powers(B1, n + 1)])
+    pdopt[name + "_beta2_pow_acc_0"] = np.array([_f32_powers(B2, n + 1)])
+  # the max is not the second moment here (shrinking gradients), so the import must read it
+  assert not np.array_equal(pdopt["linear_0.w_0_moment2_max_0"], pdopt["linear_0.w_0_moment2_0"])
+  imported = ak.from_paddle_state(pdopt, p_mid, tx)
+  chex.assert_trees_all_equal(imported, s_mid)
+  p_resumed, s_resumed = _run(tx, p_mid, imported, grads[n:])
+  chex.assert_trees_all_equal(p_resumed, p_full)
+  chex.assert_trees_all_equal(s_resumed, s_full)
+  # without moment2_max the amsgrad state cannot be filled
+  del pdopt["linear_0.b_0_moment2_max_0"]
+  with pytest.raises(KeyError, match=r"linear_0.b_0 \(moment2_max\)"):
+    ak.from_paddle_state(pdopt, p_mid, tx)
+
+
+def test_mindspore_amsgrad_and_adamweightdecay_import():
+  params = {"fc": {"weight": jnp.ones((2, 3))}, "bn": {"gamma": jnp.ones(3)}}
+  grads = [jax.tree.map(lambda g, i=i: g * 0.5 ** i, g) for i, g in enumerate(_grads(8, params))]
+  # nn.Adam(use_amsgrad=True): moment1., moment2., vhat., beta1_power.
+  tx = ak.adam(0.01, amsgrad=True)
+  p_mid, s_mid = _run(tx, params, tx.init(params), grads[:4])
+  (node,) = _amsgrad_nodes(s_mid)
+  ckpt = {"beta1_power": np.array([_f32_powers(B1, 4)])}
+  for field, prefix in (("mu", "moment1"), ("nu", "moment2"), ("nu_max", "vhat")):
+    ckpt.update({f"{prefix}.{k}": v for k, v in _named(getattr(node, field)).items()})
+  imported = ak.from_mindspore_state(ckpt, p_mid, tx)
+  chex.assert_trees_all_equal(imported, s_mid)
+  assert sorted(ak.state_dict(imported)) == sorted(ak.state_dict(s_mid))
+  # nn.AdamWeightDecay: adam_m., adam_v., no beta powers (the step is passed).
+  tx = ak.adamw(0.01, eps=1e-6, weight_decay=0.05, bias_correction=False, eps_mode="hat")
+  p_mid, s_mid = _run(tx, params, tx.init(params), grads[:4])
+  p_full, _ = _run(tx, p_mid, s_mid, grads[4:])
+  ckpt = {"global_step": np.array([0], np.int32)}
+  for k, (m, v) in _moments(s_mid).items():
+    ckpt[f"adam_m.{k}"], ckpt[f"adam_v.{k}"] = np.asarray(m), np.asarray(v)
+  with pytest.raises(ValueError, match="step="):
+    ak.from_mindspore_state(ckpt, p_mid, tx)
+  imported = ak.from_mindspore_state(ckpt, p_mid, tx, step=4)
+  chex.assert_trees_all_equal(imported, s_mid)
+  chex.assert_trees_all_equal(_run(tx, p_mid, imported, grads[4:])[0], p_full)
+  # both namings for one parameter: ambiguous, refused
+  with pytest.raises(ValueError, match="Several MindSpore moments"):
+    ak.from_mindspore_state({**ckpt, "moment1.fc.weight": ckpt["adam_m.fc.weight"]}, p_mid, tx,
+                            step=4)
