@@ -19,6 +19,19 @@ REGISTRY = {
     "adamax": lambda lr: ak.adamax(lr),
     "adamax_wd_groups": lambda lr: ak.adamax(
         lr, weight_decay=0.01, groups=[{"params": "bn.*", "lr": 0.001}]),
+    # issue 13: decoupled decay and AMSGrad
+    "adamw": lambda lr: ak.adamw(lr),
+    "adamw_mindspore": lambda lr: ak.adamw(lr, eps=1e-6, weight_decay=0.05,
+                                           bias_correction=False, eps_mode="hat"),
+    "adamw_paddle": lambda lr: ak.adamw(
+        lr, weight_decay=0.05, eps_mode="corrected", weight_decay_mask=None,
+        groups=[{"params": "conv.*", "learning_rate": 2.0, "weight_decay": 0.1}]),
+    "adamw_amsgrad_full": lambda lr: ak.adamw(
+        lr, weight_decay=0.01, amsgrad=True, loss_scale=8.0, grad_clip=ak.ClipGradByGlobalNorm(1.0),
+        weight_decay_mask=ak.masks.name_rule(lambda n: not n.startswith("bn"))),
+    "adam_amsgrad": lambda lr: ak.adam(lr, amsgrad=True, weight_decay=0.01),
+    "adam_amsgrad_corrected": lambda lr: ak.adam(lr, eps_mode="corrected", amsgrad=True,
+                                                 nesterov=True),
 }
 for _name in ("sparse_adam", "adam_offload"):  # written alongside; joined when present
   if hasattr(ak, _name):
