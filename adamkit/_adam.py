@@ -141,10 +141,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     (``torch.optim.Adam(amsgrad=True)``), Paddle (``moment2_max``) and MindSpore
     (``ApplyAdamWithAmsgradV2``, ``vhat``) do. ``optax.amsgrad`` keeps the maximum of the
     bias-corrected :math:`v_t/(1-\beta_2^t)` instead: since :math:`1-\beta_2^t` grows with
-    :math:`t`, an early large :math:`v` weighs more there, and once the maximum holds,
-    optax's denominator is larger by up to :math:`\sqrt{(1-\beta_2^t)/(1-\beta_2^s)}`
-    (:math:`s` the step of the maximum; a factor of about 3 for :math:`\beta_2 = 0.999`
-    between steps 100 and 1000).
+    :math:`t`, an early large :math:`v` weighs more there: once the raw maximum holds
+    from step :math:`s`, optax's denominator is at least
+    :math:`\sqrt{(1-\beta_2^t)/(1-\beta_2^s)}` times adamkit's (about 2.6 for
+    :math:`\beta_2 = 0.999`, :math:`s = 100`, :math:`t = 1000`), so its steps are smaller.
 
   Args:
     b1: decay of the first moment, in (0, 1).
@@ -171,6 +171,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     >>> u, state = tx.update({"w": jnp.full(3, 0.5)}, tx.init(params))
     >>> u["w"].round(4)  # first step: sqrt(1-b2) g / (sqrt(1-b2) |g| + eps), about sign(g)
     Array([1., 1., 1.], dtype=float32)
+    >>> tx = ak.scale_by_adam(amsgrad=True)  # the state keeps max(nu) as well
+    >>> u, state = tx.update({"w": jnp.full(3, 0.5)}, tx.init(params))
+    >>> type(state).__name__, state.nu_max["w"]
+    ('ScaleByAmsgradState', Array([0.00025, 0.00025, 0.00025], dtype=float32))
 
   References:
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.

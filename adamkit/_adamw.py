@@ -47,7 +47,7 @@ def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     learning rate (this chain, literally, and ``optax.adamw``'s order); Paddle and PyTorch
     first scale :math:`w \leftarrow w(1-\alpha_t\lambda)` (the old :math:`w`) and then take
     the Adam step. Expanded, both are :math:`w - \alpha_t u_t - \alpha_t\lambda w`; they
-    differ by float32 rounding only (at most an ulp of :math:`w` per step), and the replays
+    differ by float32 rounding only (a few ulps of :math:`w` per step), and the replays
     of both frameworks' trajectories agree to float32 rounding.
 
   .. warning::

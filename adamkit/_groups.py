@@ -181,6 +181,9 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
         lr = base_lr
       wd = decay_value
       if g.weight_decay is not None:
+        if decoupled and isinstance(g.weight_decay, (_links.L1Decay, _links.L2Decay)):
+          raise TypeError(f"groups[{i}].weight_decay: decoupled decay takes a number or a "
+                          f"schedule, not {type(g.weight_decay).__name__}.")
         g_kind, wd = _decay_form(g.weight_decay)
         if g_kind != decay_kind and not _is_literal_zero(wd):
           raise ValueError(f"groups[{i}].weight_decay is {g_kind} but the optimizer's is {decay_kind}.")

@@ -224,7 +224,7 @@ def add_decoupled_decay(weight_decay: Any = 0.0,
   and ``optax.add_decayed_weights`` in ``optax.adamw``; Paddle ``AdamW`` and
   ``torch.optim.AdamW`` first scale :math:`w \leftarrow w(1 - \alpha_t\lambda)` and then
   take the Adam step, which expands to the same update (the two differ by float32 rounding
-  only, at most one unit in the last place of :math:`w` per step).
+  only, a few units in the last place of :math:`w` per step).
 
   Args:
     weight_decay: :math:`\lambda`, a number ``>= 0`` or a schedule ``count -> value``.

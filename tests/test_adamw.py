@@ -234,6 +234,8 @@ def test_bad_arguments_are_named():
     ak.adamw(0.1, weight_decay=-0.1)
   with pytest.raises(ValueError, match="b2"):
     ak.adamw(0.1, b2=1.0)
+  with pytest.raises(TypeError, match=r"groups\[0\].weight_decay"):
+    ak.adamw(0.1, groups=[{"params": "fc.*", "weight_decay": ak.L1Decay(0.1)}])
   with pytest.raises(TypeError, match="name_rule"):
     ak.masks.name_rule("bias")
 
