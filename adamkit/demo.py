@@ -201,30 +201,29 @@ class _Progress:
     if self.bar is not None:
       self.bar.update(1)
       if self.n % 10 == 0 or self.n == self.total:
-        self.bar.set_postfix(loss=f"{loss:.4f}")
+        self.bar.set_postfix(mean_loss=f"{loss:.4f}")
     elif self.n % max(1, self.total // 10) == 0 or self.n == self.total:
-      print(f"{self.desc}: step {self.n}/{self.total}  loss {loss:.4f}", file=sys.stderr)
+      print(f"{self.desc}: step {self.n}/{self.total}  mean loss {loss:.4f}", file=sys.stderr)
 
   def close(self):
     if self.bar is not None:
       self.bar.close()
 
 
-def train(name: str, data: dict[str, Any], *, steps: int, batch: int, lr: float,
-          seed: int, eval_every: int, progress: bool = True) -> dict[str, Any]:
-  """Trains the model with ``OPTIMIZERS[name]``; returns losses, eval metrics, timing.
+def train(names: Sequence[str], data: dict[str, Any], *, steps: int, batch: int, lr: float,
+          seed: int, eval_every: int, progress: bool = True) -> dict[str, dict[str, Any]]:
+  """Trains the model with each of ``OPTIMIZERS[n] for n in names``; returns per name the
+  losses, eval metrics and timings.
 
-  The step is compiled ahead of time (``jit(...).lower(...).compile()``), so
-  ``compile_s`` is its tracing and compilation alone and every step of the loop, timed
-  into ``step_ms``, runs compiled code: a step that needed another compilation would
-  raise instead of being timed. The parameters are committed to the device first:
-  arrays fresh from ``jax.random`` are uncommitted, the step returns committed ones, and
-  with host-memory state in the same call (``ak.adam_offload``) ``jit`` would compile the
-  step a second time for them.
+  Every step is compiled ahead of time (``jit(...).lower(...).compile()``) before any
+  training, so ``compile_s`` is its tracing and compilation alone and the loop, timed into
+  ``step_ms``, runs only compiled code: a step that needed another compilation would raise
+  instead of being timed. The optimizers then train in lockstep (step ``t`` of each, then
+  step ``t + 1``), so a change in the machine's load hits them alike. The parameters are
+  committed to the device first: arrays fresh from ``jax.random`` are uncommitted, the
+  step returns committed ones, and with host-memory state in the same call
+  (``ak.adam_offload``) ``jit`` would otherwise compile the step a second time.
   """
-  entry = OPTIMIZERS[name]
-  promotion = (contextlib.nullcontext() if entry.strict_promotion_ok
-               else jax.numpy_dtype_promotion("standard"))
   users, items, labels = data["train"]
   order = np.arange(steps * batch).reshape(steps, batch) % len(labels)
   e_users, e_items, e_labels = (jnp.asarray(x) for x in data["eval"])
@@ -234,37 +233,49 @@ def train(name: str, data: dict[str, Any], *, steps: int, batch: int, lr: float,
     idx = order[t]
     return jnp.asarray(users[idx]), jnp.asarray(items[idx]), jnp.asarray(labels[idx])
 
-  with promotion:
-    tx = entry.make(lr)
-    params = jax.device_put(
-        init_params(jax.random.key(seed), data["n_users"], data["n_items"]), jax.devices()[0])
-    state = tx.init(params)
-    start = time.perf_counter()
-    step = _make_step(tx, entry.sparse).lower(params, state, *batch_at(0)).compile()
-    compile_s = time.perf_counter() - start
-    losses, step_ms, eval_steps, eval_auc, eval_loss = [], [], [], [], []
-    bar = _Progress(steps, entry.label, progress)  # after compiling: its ETA is the steps'
-    bar.note(f"compiled in {compile_s:.1f} s")
-    for t in range(steps):
+  runs = {}
+  for name in names:
+    entry = OPTIMIZERS[name]
+    promotion = (contextlib.nullcontext() if entry.strict_promotion_ok
+                 else jax.numpy_dtype_promotion("standard"))
+    with promotion:  # tracing happens here, once; the compiled step needs no context
+      tx = entry.make(lr)
+      params = jax.device_put(
+          init_params(jax.random.key(seed), data["n_users"], data["n_items"]),
+          jax.devices()[0])
+      state = tx.init(params)
       start = time.perf_counter()
-      params, state, loss = step(params, state, *batch_at(t))
+      step = _make_step(tx, entry.sparse).lower(params, state, *batch_at(0)).compile()
+      compile_s = time.perf_counter() - start
+    runs[name] = dict(label=entry.label, step=step, params=params, state=state,
+                      compile_s=compile_s, losses=[], step_ms=[], eval_steps=[],
+                      eval_auc=[], eval_loss=[])
+  total_compile = sum(r["compile_s"] for r in runs.values())
+  bar = _Progress(steps, f"{len(runs)} optimizer(s), lockstep", progress)  # after compiling
+  bar.note(f"compiled in {total_compile:.1f} s")
+  for t in range(steps):
+    users_t, items_t, labels_t = batch_at(t)
+    for r in runs.values():
+      start = time.perf_counter()
+      r["params"], r["state"], loss = r["step"](r["params"], r["state"], users_t, items_t,
+                                                labels_t)
       loss = float(loss)  # waits for the step: the timing is honest
-      step_ms.append(1e3 * (time.perf_counter() - start))
+      r["step_ms"].append(1e3 * (time.perf_counter() - start))
+      r["losses"].append(loss)
       if t == 0:
-        first_params = jax.tree.map(lambda x: np.array(x, copy=True), params)
-      losses.append(loss)
-      bar.update(loss)
+        r["first_params"] = jax.tree.map(lambda x: np.array(x, copy=True), r["params"])
       if (t + 1) % eval_every == 0 or t + 1 == steps:
-        z = np.asarray(predict(params, e_users, e_items))
+        z = np.asarray(predict(r["params"], e_users, e_items))
         y = np.asarray(e_labels)
-        eval_steps.append(t + 1)
-        eval_auc.append(auc(z, y))
-        eval_loss.append(float(np.mean(np.logaddexp(0.0, z) - y * z)))
-    bar.close()
-  return dict(label=entry.label, losses=losses, eval_steps=eval_steps, eval_auc=eval_auc,
-              eval_loss=eval_loss, compile_s=compile_s, step_ms=step_ms,
-              ms_per_step=float(np.median(step_ms)), params=params,
-              first_params=first_params)
+        r["eval_steps"].append(t + 1)
+        r["eval_auc"].append(auc(z, y))
+        r["eval_loss"].append(float(np.mean(np.logaddexp(0.0, z) - y * z)))
+    bar.update(float(np.mean([r["losses"][-1] for r in runs.values()])))
+  bar.close()
+  for r in runs.values():
+    del r["step"], r["state"]
+    r["ms_per_step"] = float(np.median(r["step_ms"]))
+  return runs
 
 
 # --------------------------------------------------------------------------- reports
@@ -366,9 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m adamkit.demo", formatter_class=argparse.RawDescriptionHelpFormatter,
       description=("Trains a click-through model (two embedding tables and an MLP) on a "
-                   "synthetic click log\nwith each optimizer on the same batches, prints a "
-                   "table (losses, eval AUC, compile time,\ntime per compiled step) and "
-                   "saves a plot of the training losses and of their differences."),
+                   "synthetic click log\nwith each optimizer, in lockstep on the same "
+                   "batches; prints a table (losses, eval AUC,\ncompile time, time per "
+                   "compiled step) and saves a plot of the training losses and of\ntheir "
+                   "differences."),
       epilog=(f"optimizers (--optimizers):\n{names}\n\noutputs: <out>/results.json "
               "(every loss and timing), <out>/demo_loss.png (the plot)"))
   p.add_argument("--steps", type=int, default=300,
@@ -416,11 +428,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   data = make_data(args.seed, n_users=args.users, n_items=args.items,
                    n_train=args.steps * args.batch)
   print(f"train clicks: {data['train'][2].mean():.1%} positive")
-  results = {}
-  for name in args.optimizers:
-    results[name] = train(name, data, steps=args.steps, batch=args.batch, lr=args.lr,
-                          seed=args.seed, eval_every=max(1, args.steps // 10),
-                          progress=not args.no_progress)
+  results = train(args.optimizers, data, steps=args.steps, batch=args.batch, lr=args.lr,
+                  seed=args.seed, eval_every=max(1, args.steps // 10),
+                  progress=not args.no_progress)
 
   table = format_table(results, data)
   print()

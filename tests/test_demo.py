@@ -72,8 +72,8 @@ def test_demo_subset_and_plain_progress(tmp_path, capsys, monkeypatch):
                                "--optimizers", "adamax", "--no-plot"])
   captured = capsys.readouterr()
   assert list(results) == ["adamax"]
-  assert "ak.adamax: compiled in" in captured.err
-  assert "ak.adamax: step 10/10" in captured.err
+  assert "1 optimizer(s), lockstep: compiled in" in captured.err
+  assert "lockstep: step 10/10" in captured.err
   assert not (tmp_path / "demo_loss.png").exists()
 
 
