@@ -36,6 +36,10 @@ try:  # MathJax served with the site, so pages render without a network (CI, off
 except ValueError:
   pass
 
+# textmacros: \_ inside \text{...} (the docstrings' ``\text{(eps\_mode="hat")}``) is an
+# underscore, as in LaTeX, instead of a literal backslash.
+mathjax3_config = {"loader": {"load": ["[tex]/textmacros"]},
+                   "tex": {"packages": {"[+]": ["textmacros"]}}}
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -46,7 +50,7 @@ html_static_path = ["_static"]
 html_css_files = ["adamkit.css"]
 
 autodoc_member_order = "bysource"
-autodoc_typehints = "description"
+autodoc_typehints = "none"  # compact signatures; the Args say what each takes
 autodoc_typehints_format = "short"
 autodoc_default_options = {"show-inheritance": False}
 napoleon_google_docstring = True
@@ -99,8 +103,9 @@ def _api_table(app, docname, source):
   if docname != "api" or API_MARKER not in source[0]:
     return
   rows = "\n".join(f"   {n}" for n in API_NAMES)
+  pages = "\n".join(f"api/{n}" for n in API_NAMES)
   table = (f"```{{eval-rst}}\n.. currentmodule:: adamkit\n\n.. autosummary::\n   :nosignatures:\n\n"
-           f"{rows}\n```\n")
+           f"{rows}\n```\n\n```{{toctree}}\n:hidden:\n\n{pages}\n```\n")
   source[0] = source[0].replace(API_MARKER, table)
 
 
