@@ -312,8 +312,9 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     clipping, loss scale, groups and gradient centralization need :func:`adam`.
 
   Args:
-    learning_rate, b1, b2, eps, eps_mode, nesterov, weight_decay, weight_decay_mask,
-      mu_dtype: as in :func:`adamkit.adam` (``weight_decay``: a number or schedule, L2).
+    learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``weight_decay``,
+      ``weight_decay_mask``, ``mu_dtype``: as in :func:`adamkit.adam` (``weight_decay``: a
+      number or schedule, L2).
     nu_dtype: dtype of the second moment (default: the params' dtype).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (Paddle ``use_multi_tensor``);

@@ -573,10 +573,11 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
   held in host memory; the update comes back to the device-resident parameters.
 
   Args:
-    learning_rate, b1, b2, eps, eps_mode, nesterov, weight_decay, weight_decay_mask,
-      loss_scale, grad_clip, grad_centralization, groups, mu_dtype, nonfinite: as
-      :func:`adamkit.adam` (MindSpore's defaults: decay skips ``beta``/``gamma`` names).
-    mode, memory_kind: as :func:`adamkit.offload`.
+    learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``weight_decay``,
+      ``weight_decay_mask``, ``loss_scale``, ``grad_clip``, ``grad_centralization``,
+      ``groups``, ``mu_dtype``, ``nonfinite``: as :func:`adamkit.adam` (MindSpore's
+      defaults: decay skips ``beta``/``gamma`` names).
+    mode: and ``memory_kind``: as :func:`adamkit.offload`.
 
   Returns:
     ``ak.offload(ak.adam(...), mode=mode, memory_kind=memory_kind)``.

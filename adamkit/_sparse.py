@@ -201,8 +201,9 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
   ``var, m, v`` to ``jax.jit``.
 
   Args:
-    var, m, v, beta1_power, beta2_power, lr, beta1, beta2, epsilon, gradient, indices,
-      use_nesterov: as in :func:`fused_sparse_adam`.
+    var: and ``m``, ``v``, ``beta1_power``, ``beta2_power``, ``lr``, ``beta1``, ``beta2``,
+      ``epsilon``, ``gradient``, ``indices``, ``use_nesterov``: as in
+      :func:`fused_sparse_adam`.
     backend: ``"auto"`` (one C++ kernel call for float32 tables on one CPU device when the
       kernel is built, XLA otherwise), ``"kernel"`` (error if not built) or ``"xla"``.
 

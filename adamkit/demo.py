@@ -15,11 +15,11 @@ for hidden factors :math:`U, V` and biases :math:`a, b`. The model sees only the
 two embedding tables (users, items) feeding a small MLP plus a dot product, trained with
 the binary cross-entropy. The hidden model's own cross-entropy is printed as the floor.
 
-The optimizers (``--optimizers``): ``adam`` (``ak.adam``, MindSpore numerics),
-``adam_corrected`` (``ak.adam(eps_mode="corrected")``), ``optax_adam`` (``optax.adam``,
-which ``adam_corrected`` must track to float32 rounding), ``adamax`` (``ak.adamax``) and
-``adam_offload`` (``ak.adam_offload``: ``ak.adam`` with its state in host memory) and
-``sparse_adam`` (``ak.sparse_adam``: lazy Adam on row-sparse embedding gradients).
+The optimizers are the rows of ``OPTIMIZERS`` (one table: a new optimizer is one more
+entry there); ``--help`` lists them. Each step is compiled ahead of time, so the table
+reports the compile time in its own column and times only compiled steps; the plot's
+second panel shows each run's loss minus ``optax.adam``'s, and a note names the runs that
+are identical by design (``Entry.same_as``).
 """
 
 from __future__ import annotations
@@ -132,21 +132,22 @@ class Entry:
   make: Callable[[float], optax.GradientTransformation]
   sparse: bool = False  # row-sparse embedding gradients (ak.value_and_sparse_grad)
   strict_promotion_ok: bool = True  # False: optax's code mixes int and float internally
+  # (name, how) when this entry's curve equals another's by design: the plot says so
+  same_as: tuple[str, str] | None = None
 
 
+# Every optimizer the demo knows, in the order of the table and the plot.
 OPTIMIZERS: dict[str, Entry] = {
     "adam": Entry("ak.adam", lambda lr: ak.adam(lr)),
     "adam_corrected": Entry('ak.adam(eps_mode="corrected")',
-                            lambda lr: ak.adam(lr, eps_mode="corrected")),
+                            lambda lr: ak.adam(lr, eps_mode="corrected"),
+                            same_as=("optax_adam", "the same formula, to float32 rounding")),
     "optax_adam": Entry("optax.adam", lambda lr: optax.adam(lr), strict_promotion_ok=False),
     "adamax": Entry("ak.adamax", lambda lr: ak.adamax(lr)),
+    "adam_offload": Entry("ak.adam_offload (host state)", lambda lr: ak.adam_offload(lr),
+                          same_as=("adam", "the same maths, bit for bit")),
+    "sparse_adam": Entry("ak.sparse_adam (lazy)", lambda lr: ak.sparse_adam(lr), sparse=True),
 }
-if hasattr(ak, "adam_offload"):
-  OPTIMIZERS["adam_offload"] = Entry("ak.adam_offload (host state)",
-                                     lambda lr: ak.adam_offload(lr))
-if hasattr(ak, "sparse_adam"):
-  OPTIMIZERS["sparse_adam"] = Entry("ak.sparse_adam (lazy)", lambda lr: ak.sparse_adam(lr),
-                                    sparse=True)
 
 
 def _make_step(tx: optax.GradientTransformation, sparse: bool):
@@ -184,6 +185,15 @@ class _Progress:
       except ImportError:
         pass
 
+  def note(self, text: str):
+    """A remark shown next to the bar (or printed), e.g. the compile time."""
+    if not self.enabled:
+      return
+    if self.bar is not None:
+      self.bar.set_description(f"{self.desc} ({text})")
+    else:
+      print(f"{self.desc}: {text}", file=sys.stderr)
+
   def update(self, loss: float):
     self.n += 1
     if not self.enabled:
@@ -191,55 +201,81 @@ class _Progress:
     if self.bar is not None:
       self.bar.update(1)
       if self.n % 10 == 0 or self.n == self.total:
-        self.bar.set_postfix(loss=f"{loss:.4f}")
+        self.bar.set_postfix(mean_loss=f"{loss:.4f}")
     elif self.n % max(1, self.total // 10) == 0 or self.n == self.total:
-      print(f"{self.desc}: step {self.n}/{self.total}  loss {loss:.4f}", file=sys.stderr)
+      print(f"{self.desc}: step {self.n}/{self.total}  mean loss {loss:.4f}", file=sys.stderr)
 
   def close(self):
     if self.bar is not None:
       self.bar.close()
 
 
-def train(name: str, data: dict[str, Any], *, steps: int, batch: int, lr: float,
-          seed: int, eval_every: int, progress: bool = True) -> dict[str, Any]:
-  """Trains the model with ``OPTIMIZERS[name]``; returns losses, eval metrics, timing."""
-  entry = OPTIMIZERS[name]
-  promotion = (contextlib.nullcontext() if entry.strict_promotion_ok
-               else jax.numpy_dtype_promotion("standard"))
+def train(names: Sequence[str], data: dict[str, Any], *, steps: int, batch: int, lr: float,
+          seed: int, eval_every: int, progress: bool = True) -> dict[str, dict[str, Any]]:
+  """Trains the model with each of ``OPTIMIZERS[n] for n in names``; returns per name the
+  losses, eval metrics and timings.
+
+  Every step is compiled ahead of time (``jit(...).lower(...).compile()``) before any
+  training, so ``compile_s`` is its tracing and compilation alone and the loop, timed into
+  ``step_ms``, runs only compiled code: a step that needed another compilation would raise
+  instead of being timed. The optimizers then train in lockstep (step ``t`` of each, then
+  step ``t + 1``), so a change in the machine's load hits them alike. The parameters are
+  committed to the device first: arrays fresh from ``jax.random`` are uncommitted, the
+  step returns committed ones, and with host-memory state in the same call
+  (``ak.adam_offload``) ``jit`` would otherwise compile the step a second time.
+  """
   users, items, labels = data["train"]
   order = np.arange(steps * batch).reshape(steps, batch) % len(labels)
   e_users, e_items, e_labels = (jnp.asarray(x) for x in data["eval"])
   predict = jax.jit(logits)
 
-  with promotion:
-    tx = entry.make(lr)
-    params = init_params(jax.random.key(seed), data["n_users"], data["n_items"])
-    state = tx.init(params)
-    step = _make_step(tx, entry.sparse)
-    losses, eval_steps, eval_auc, eval_loss = [], [], [], []
-    bar = _Progress(steps, entry.label, progress)
-    start = None
-    for t in range(steps):
-      idx = order[t]
-      params, state, loss = step(params, state, jnp.asarray(users[idx]),
-                                 jnp.asarray(items[idx]), jnp.asarray(labels[idx]))
-      loss = float(loss)  # waits for the step: the timing below is honest
+  def batch_at(t):
+    idx = order[t]
+    return jnp.asarray(users[idx]), jnp.asarray(items[idx]), jnp.asarray(labels[idx])
+
+  runs = {}
+  for name in names:
+    entry = OPTIMIZERS[name]
+    promotion = (contextlib.nullcontext() if entry.strict_promotion_ok
+                 else jax.numpy_dtype_promotion("standard"))
+    with promotion:  # tracing happens here, once; the compiled step needs no context
+      tx = entry.make(lr)
+      params = jax.device_put(
+          init_params(jax.random.key(seed), data["n_users"], data["n_items"]),
+          jax.devices()[0])
+      state = tx.init(params)
+      start = time.perf_counter()
+      step = _make_step(tx, entry.sparse).lower(params, state, *batch_at(0)).compile()
+      compile_s = time.perf_counter() - start
+    runs[name] = dict(label=entry.label, step=step, params=params, state=state,
+                      compile_s=compile_s, losses=[], step_ms=[], eval_steps=[],
+                      eval_auc=[], eval_loss=[])
+  total_compile = sum(r["compile_s"] for r in runs.values())
+  bar = _Progress(steps, f"{len(runs)} optimizer(s), lockstep", progress)  # after compiling
+  bar.note(f"compiled in {total_compile:.1f} s")
+  for t in range(steps):
+    users_t, items_t, labels_t = batch_at(t)
+    for r in runs.values():
+      start = time.perf_counter()
+      r["params"], r["state"], loss = r["step"](r["params"], r["state"], users_t, items_t,
+                                                labels_t)
+      loss = float(loss)  # waits for the step: the timing is honest
+      r["step_ms"].append(1e3 * (time.perf_counter() - start))
+      r["losses"].append(loss)
       if t == 0:
-        start = time.perf_counter()  # the first step includes compilation
-        first_params = jax.tree.map(lambda x: np.array(x, copy=True), params)
-      losses.append(loss)
-      bar.update(loss)
+        r["first_params"] = jax.tree.map(lambda x: np.array(x, copy=True), r["params"])
       if (t + 1) % eval_every == 0 or t + 1 == steps:
-        z = np.asarray(predict(params, e_users, e_items))
+        z = np.asarray(predict(r["params"], e_users, e_items))
         y = np.asarray(e_labels)
-        eval_steps.append(t + 1)
-        eval_auc.append(auc(z, y))
-        eval_loss.append(float(np.mean(np.logaddexp(0.0, z) - y * z)))
-    bar.close()
-    elapsed = time.perf_counter() - start if steps > 1 else float("nan")
-  return dict(label=entry.label, losses=losses, eval_steps=eval_steps, eval_auc=eval_auc,
-              eval_loss=eval_loss, ms_per_step=1e3 * elapsed / max(steps - 1, 1),
-              params=params, first_params=first_params)
+        r["eval_steps"].append(t + 1)
+        r["eval_auc"].append(auc(z, y))
+        r["eval_loss"].append(float(np.mean(np.logaddexp(0.0, z) - y * z)))
+    bar.update(float(np.mean([r["losses"][-1] for r in runs.values()])))
+  bar.close()
+  for r in runs.values():
+    del r["step"], r["state"]
+    r["ms_per_step"] = float(np.median(r["step_ms"]))
+  return runs
 
 
 # --------------------------------------------------------------------------- reports
@@ -255,45 +291,77 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def format_table(results: dict[str, dict[str, Any]], data: dict[str, Any]) -> str:
+  """The comparison table (Markdown), with a note on what the time columns measure."""
   window = max(1, len(next(iter(results.values()))["losses"]) // 10)
-  header = f"| {'optimizer':<30} | step-1 loss | final loss | eval loss | eval AUC | ms/step |"
+  header = (f"| {'optimizer':<30} | step-1 loss | final loss | eval loss | eval AUC | "
+            "compile s | ms/step |")
   rule = "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"
   rows = [header, rule]
   for r in results.values():
     final = float(smooth(r["losses"], window)[-1])
     rows.append(f"| {r['label']:<30} | {r['losses'][0]:11.4f} | {final:10.4f} | "
                 f"{r['eval_loss'][-1]:9.4f} | {r['eval_auc'][-1]:8.4f} | "
-                f"{r['ms_per_step']:7.2f} |")
+                f"{r['compile_s']:9.2f} | {r['ms_per_step']:7.2f} |")
   rows.append(f"| {'(true click model: the floor)':<30} | {'':11} | {'':10} | "
-              f"{data['bayes_loss']:9.4f} | {data['bayes_auc']:8.4f} | {'':7} |")
+              f"{data['bayes_loss']:9.4f} | {data['bayes_auc']:8.4f} | {'':9} | {'':7} |")
+  rows.append("compile s: tracing and compiling the jitted training step, once per optimizer "
+              "(ahead of time);\nms/step: median wall time of the compiled steps, the "
+              "gradient and the update together (final loss: mean of the last "
+              f"{window} steps).")
   return "\n".join(rows)
+
+
+def identical_by_design(results: dict[str, dict[str, Any]]) -> list[str]:
+  """One sentence per run whose curve equals another run's by design (``Entry.same_as``)."""
+  notes = []
+  for name in results:
+    same = OPTIMIZERS[name].same_as
+    if same is not None and same[0] in results:
+      notes.append(f"{results[name]['label']} = {results[same[0]]['label']}: {same[1]}")
+  return notes
 
 
 def save_plot(results: dict[str, dict[str, Any]], data: dict[str, Any],
               path: pathlib.Path) -> pathlib.Path | None:
-  """Training loss (smoothed) and eval AUC per optimizer; ``None`` without matplotlib."""
+  """Two panels: the training loss, and each loss minus the reference optimizer's.
+
+  The reference is ``optax.adam`` when it ran, else the first optimizer. Curves that are
+  identical by design are drawn on top of each other, so the figure says so in a note;
+  the second panel shows what does differ. ``None`` without matplotlib.
+  """
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
     return None
-  fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
-  window = max(1, len(next(iter(results.values()))["losses"]) // 20)
-  styles = ["-", "--", ":", "-.", "-"]
+  ref = "optax_adam" if "optax_adam" in results else next(iter(results))
+  n = len(results[ref]["losses"])
+  window = max(1, n // 20)
+  fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.8))
+  styles = [dict(ls="-", lw=2.2), dict(ls="--", lw=1.6), dict(ls="-", lw=1.4),
+            dict(ls="-.", lw=1.4), dict(ls=":", lw=2.4), dict(ls="-", lw=1.0)]
+  steps = np.arange(1, n + 1)
+  ref_smooth = smooth(results[ref]["losses"], window)
   for k, r in enumerate(results.values()):
-    ls = styles[k % len(styles)]
-    ax_loss.plot(np.arange(1, len(r["losses"]) + 1), smooth(r["losses"], window),
-                 ls, label=r["label"])
-    ax_auc.plot(r["eval_steps"], r["eval_auc"], ls, marker="o", ms=3, label=r["label"])
+    style = dict(styles[k % len(styles)], color=f"C{k}")
+    ax_loss.plot(steps, smooth(r["losses"], window), label=r["label"], **style)
+    ax_diff.plot(steps, smooth(r["losses"], window) - ref_smooth, label=r["label"], **style)
   ax_loss.axhline(data["bayes_loss"], color="gray", lw=0.8, label="true model (floor)")
-  ax_auc.axhline(data["bayes_auc"], color="gray", lw=0.8, label="true model (ceiling)")
   ax_loss.set(xlabel="step", ylabel=f"train BCE (moving average of {window})",
-              title="Training loss")
-  ax_auc.set(xlabel="step", ylabel="AUC on held-out clicks", title="Eval AUC")
+              title="Training loss, same batches for every optimizer")
+  ax_diff.axhline(0.0, color="gray", lw=0.8)
+  # symlog: the float32-rounding drift (~1e-3) and the algorithms' gaps (~1e-2) both show
+  ax_diff.set_yscale("symlog", linthresh=1e-3)
+  ax_diff.set(xlabel="step (lines as on the left)",
+              ylabel=f"train BCE minus {results[ref]['label']}'s (symlog)",
+              title=f"What differs: loss minus {results[ref]['label']}'s")
   ax_loss.legend(fontsize=8)
-  ax_auc.legend(fontsize=8, loc="lower right")
-  fig.tight_layout()
+  notes = identical_by_design(results)
+  if notes:
+    fig.text(0.01, 0.01, "Identical by design (their curves coincide): " + "; ".join(notes),
+             fontsize=8, va="bottom", wrap=True)
+  fig.tight_layout(rect=(0, 0.06 if notes else 0, 1, 1))
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -303,19 +371,41 @@ def save_plot(results: dict[str, dict[str, Any]], data: dict[str, Any],
 # ------------------------------------------------------------------------------ main
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m adamkit.demo", description=__doc__.split("\n")[0])
-  p.add_argument("--steps", type=int, default=300, help="training steps per optimizer")
-  p.add_argument("--batch", type=int, default=512, help="examples per step")
-  p.add_argument("--lr", type=float, default=0.01, help="learning rate for every optimizer")
-  p.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
-  p.add_argument("--users", type=int, default=20_000, help="rows of the user table")
-  p.add_argument("--items", type=int, default=2_000, help="rows of the item table")
+def build_parser() -> argparse.ArgumentParser:
+  """The command line of ``python -m adamkit.demo``; ``--help`` lists every flag."""
+  names = "\n".join(f"  {n:<16} {e.label}" for n, e in OPTIMIZERS.items())
+  p = argparse.ArgumentParser(
+      prog="python -m adamkit.demo", formatter_class=argparse.RawDescriptionHelpFormatter,
+      description=("Trains a click-through model (two embedding tables and an MLP) on a "
+                   "synthetic click log\nwith each optimizer, in lockstep on the same "
+                   "batches; prints a table (losses, eval AUC,\ncompile time, time per "
+                   "compiled step) and saves a plot of the training losses and of\ntheir "
+                   "differences."),
+      epilog=(f"optimizers (--optimizers):\n{names}\n\noutputs: <out>/results.json "
+              "(every loss and timing), <out>/demo_loss.png (the plot)"))
+  p.add_argument("--steps", type=int, default=300,
+                 help="training steps per optimizer (default: %(default)s)")
+  p.add_argument("--batch", type=int, default=512, help="examples per step (default: %(default)s)")
+  p.add_argument("--lr", type=float, default=0.01,
+                 help="learning rate of every optimizer (default: %(default)s)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the data and of the initial parameters (default: %(default)s)")
+  p.add_argument("--users", type=int, default=20_000,
+                 help="rows of the user embedding table (default: %(default)s)")
+  p.add_argument("--items", type=int, default=2_000,
+                 help="rows of the item embedding table (default: %(default)s)")
   p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                 help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")
-  p.add_argument("--out", default="demo_out", help="folder for the plot and results.json")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                 help="comma-separated names from the list below (default: all)")
+  p.add_argument("--out", default="demo_out",
+                 help="folder for results.json and the plot (default: %(default)s)")
+  p.add_argument("--no-progress", action="store_true",
+                 help="no progress bar (tqdm when installed, else a line per tenth of the run)")
   p.add_argument("--no-plot", action="store_true", help="do not save the plot")
+  return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  p = build_parser()
   args = p.parse_args(argv)
   names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
   unknown = [n for n in names if n not in OPTIMIZERS]
@@ -338,11 +428,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   data = make_data(args.seed, n_users=args.users, n_items=args.items,
                    n_train=args.steps * args.batch)
   print(f"train clicks: {data['train'][2].mean():.1%} positive")
-  results = {}
-  for name in args.optimizers:
-    results[name] = train(name, data, steps=args.steps, batch=args.batch, lr=args.lr,
-                          seed=args.seed, eval_every=max(1, args.steps // 10),
-                          progress=not args.no_progress)
+  results = train(args.optimizers, data, steps=args.steps, batch=args.batch, lr=args.lr,
+                  seed=args.seed, eval_every=max(1, args.steps // 10),
+                  progress=not args.no_progress)
 
   table = format_table(results, data)
   print()
