@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 from adamkit import _adam, _backend, _masks, _ops, _schedules, _validate
-from adamkit._sparse_types import RowSparse, gather_rows, safe_ids
+from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
 from adamkit._tree import leaf_names, zero_moments
 
 
@@ -108,8 +108,8 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of) -> None:
   if multi_tensor:
     for name, bufs, dtype_of in (("mu", state.mu, mu_of), ("nu", state.nu, nu_of)):
       sizes = _flat_layout(leaves, dtype_of)[1]
-      got = ({k: (tuple(np.shape(b)), jnp.dtype(b.dtype).name) for k, b in bufs.items()}
-             if isinstance(bufs, dict) else type(bufs).__name__)
+      got = ({k: (np.shape(b), getattr(getattr(b, "dtype", None), "name", None))
+              for k, b in bufs.items()} if isinstance(bufs, dict) else type(bufs).__name__)
       if got != {k: ((n,), k) for k, n in sizes.items()}:
         raise ValueError(f"The multi-tensor state's {name} buffers {got} do not match the "
                          f"params (expected {sizes}): was the state made by this optimizer "
@@ -155,6 +155,12 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       mu, nu = zero_moments(params, mu_dtype, nu_dtype)
     else:
       leaves = jax.tree.leaves(params)
+      for name, leaf in zip(leaf_names(params), leaves):
+        if _explicit_sharding(leaf) is not None and not leaf.sharding.is_fully_replicated:
+          raise ValueError(
+              f"Param '{name}' is sharded over a mesh with Explicit axes; multi_tensor=True "
+              "keeps every leaf's moments in one flat buffer, which cannot follow that "
+              "sharding. Use multi_tensor=False (moments sharded like their params).")
       mu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, mu_of)[1].items()}
       nu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, nu_of)[1].items()}
     return FusedAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)

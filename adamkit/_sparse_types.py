@@ -113,6 +113,8 @@ def gather_rows(x: jax.Array, ids: jax.Array) -> jax.Array:
 
   Under explicit sharding the gathered rows come out replicated.
   """
+  if x.shape[0] == 0:  # an empty table: every id is out of range (XLA cannot gather from it)
+    return jnp.zeros((ids.shape[0], *x.shape[1:]), x.dtype)
   sharding = _explicit_sharding(x)
   kw = {}
   if sharding is not None:
