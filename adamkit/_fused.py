@@ -274,11 +274,13 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     nu_dtype: dtype of the second moment (default: the params' dtype).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (Paddle ``use_multi_tensor``);
-      ``False``: state shaped like the params, one kernel call per leaf of at least 32K
-      elements (smaller leaves: XLA).
-    backend: ``"auto"`` (the kernel for float32 leaves on CPU when built, JAX otherwise;
-      row-sparse leaves: on one CPU device), ``"kernel"`` (error if not built) or ``"xla"``
-      (pure JAX).
+      ``False``: state shaped like the params (and sharded like them), one kernel call per
+      leaf of at least 32K elements (smaller leaves: XLA). Params sharded on a mesh with
+      Explicit axes need ``False``.
+    backend: ``"auto"`` (the kernel, when built, for float32 leaves computed on one CPU
+      device; XLA otherwise, e.g. for params sharded over several devices, whose shardings
+      XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it cannot take or
+      known to span several devices) or ``"xla"`` (pure JAX). The rule: ``docs/backend.md``.
     lazy: a ``RowSparse`` gradient moves its rows only (default) or is densified.
     unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
       merge (as in :func:`sparse_adam`).

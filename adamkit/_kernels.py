@@ -13,6 +13,8 @@ import pathlib
 
 from adamkit import _backend
 
+BACKENDS = _backend.BACKENDS  # kept for callers of the v0.1 name (the rule lives in _backend)
+
 
 def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str | None = None,
                      verbose: bool = False) -> pathlib.Path:

@@ -40,8 +40,8 @@ class Hyper(NamedTuple):
   eps: jax.Array
   bc1: jax.Array  # 1 - b1**t
   bc2: jax.Array  # 1 - b2**t
-  lr: jax.Array = jnp.float32(0.0)  # learning rate (ops that return a direction ignore it)
-  wd: jax.Array = jnp.float32(0.0)  # L2 coefficient of the dense step's `decay`
+  lr: jax.Array = np.float32(0.0)  # learning rate (ops that return a direction ignore it)
+  wd: jax.Array = np.float32(0.0)  # L2 coefficient of the dense step's `decay`
 
 
 def _kernel_args(h: Hyper):
