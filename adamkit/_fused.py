@@ -165,7 +165,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       nu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, nu_of)[1].items()}
     return FusedAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
-  def leaf_records(params, state, grads, wd) -> list[_Leaf]:
+  def leaf_records(params, grads, wd) -> list[_Leaf]:
     """Each leaf with its gradient, decay flag and moment slots; a row-sparse gradient's
     rows decay here, once per occurrence (MindSpore's rule), or it is densified."""
     flat_p, treedef = jax.tree.flatten(params)
@@ -208,7 +208,9 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     else:
       mu, nu = dict(enumerate(jax.tree.leaves(state.mu))), dict(enumerate(jax.tree.leaves(state.nu)))
     new_params = []
-    for run in _runs(leaf_records(params, state, grads, wd)):
+    # The step, in the order of its equations: this step's scalars (learning rate, decay,
+    # bias corrections), then each run of leaves: decay, moments, direction, new params.
+    for run in _runs(leaf_records(params, grads, wd)):
       first = run[0]
       m, v = mu[first.m_key], nu[first.v_key]
       if isinstance(first.g, RowSparse):
