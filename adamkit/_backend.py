@@ -14,9 +14,10 @@ The rule (``backend`` is the user's argument):
 4. Arrays spread over several devices, or on a device that is not a CPU: XLA, even when
    forced. The kernel has no sharding rule; XLA would gather a sharded array onto one
    device and return it replicated, silently. XLA's own step keeps every sharding.
-5. Inside ``jit`` the placement of a traced array is unknown: ``"auto"`` runs the kernel
-   only when the process has exactly one device, a CPU; ``"kernel"`` runs it when the
-   default backend is the CPU (the caller vouches that the arrays are on one device).
+5. Inside ``jit`` the placement of a traced array is unknown (but on a mesh with Explicit
+   axes, where its type carries its sharding, see 4): ``"auto"`` runs the kernel
+   only when the process has exactly one device, a CPU; ``"kernel"`` runs it (the caller
+   vouches that the arrays are on one CPU device, e.g. inside a host-compute region).
 6. ``"auto"`` also leaves work too small for a kernel call to XLA (a per-leaf dense step
    on a leaf below :data:`MIN_LEAF` elements: XLA's fused loop is cheaper).
 """
@@ -58,6 +59,9 @@ def placement(*arrays: Any) -> str:
   for a in arrays:
     if is_tracer(a):
       traced = True
+      spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+      if spec is not None and any(axis is not None for axis in spec):
+        return SPREAD  # sharded over an Explicit mesh: known even inside jit
     elif isinstance(a, jax.Array):
       devices |= set(a.devices())
   if len(devices) > 1:

@@ -61,6 +61,11 @@ def test_placement_of_arrays():
   seen = []
   jax.jit(lambda x: seen.append(_backend.placement(x)) or x)(one)
   assert seen == [TRACED_CPU if len(devices) > 1 else TRACED_ONE_CPU]
+  if len(devices) >= 8:  # an Explicit mesh: the traced array's type carries its sharding
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    jax.jit(lambda x: seen.append(_backend.placement(x)) or x)(
+        jax.device_put(jnp.ones(8), NamedSharding(mesh, P("x"))))
+    assert seen[-1] == SPREAD
 
 
 def test_use_kernel_refuses_what_the_kernel_cannot_take(monkeypatch):
