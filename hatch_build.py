@@ -1,15 +1,16 @@
-"""Hatch build hook: compiles adamkit's one-pass CPU kernel when the wheel is built.
+"""Hatch build hook: compiles adamkit's CPU kernels when the wheel is built.
 
 Enabled from pyproject.toml with::
 
   [build-system]
-  requires = ["hatchling>=1.18", "jax>=0.6"]   # jaxlib ships the XLA FFI headers
+  requires = ["hatchling>=1.18", "jax>=0.10"]   # jaxlib ships the XLA FFI headers
 
   [tool.hatch.build.targets.wheel.hooks.custom]
   path = "hatch_build.py"
 
 The kernel is optional: without a C++ compiler (or with ``ADAMKIT_NO_KERNEL=1``) the hook
-prints why and builds a pure-Python wheel, and ``ak.fused_adam`` uses its pure-JAX path.
+prints why and builds a pure-Python wheel, and every adamkit operation uses its pure-JAX
+path.
 For an editable install the library is written next to its source
 (``adamkit/_cpu/libadamkit_cpu.so``, ignored by git), where the package looks for it.
 """
@@ -29,9 +30,9 @@ LIBRARY = pathlib.Path("adamkit") / "_cpu" / "libadamkit_cpu.so"
 
 
 def _build_module(root: pathlib.Path):
-  """adamkit/_kernel_build.py, loaded by path: importing the package would need optax."""
-  spec = importlib.util.spec_from_file_location("_adamkit_kernel_build",
-                                                root / "adamkit" / "_kernel_build.py")
+  """adamkit/_cpu/build.py, loaded by path: importing the package would need optax."""
+  spec = importlib.util.spec_from_file_location("_adamkit_cpu_build",
+                                                root / "adamkit" / "_cpu" / "build.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

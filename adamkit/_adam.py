@@ -10,6 +10,7 @@ import optax
 
 from adamkit import _groups, _links, _masks, _schedules, _validate
 from adamkit._dtypes import compute_dtype
+from adamkit._tree import tree_map_multi, zero_moments  # noqa: F401 - also imported from here
 
 
 class ScaleByAdamState(NamedTuple):
@@ -25,26 +26,6 @@ class ScaleByAmsgradState(NamedTuple):
   mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
   nu: optax.Updates  # second moment, params' shapes, ``nu_dtype`` or the params' dtype
   nu_max: optax.Updates  # max of every nu so far (raw, not bias-corrected), as ``nu``
-
-
-def tree_map_multi(fn, n_out: int, tree, *rest):
-  """``jax.tree.map`` for a ``fn`` returning an ``n_out``-tuple: returns ``n_out`` trees."""
-  leaves, treedef = jax.tree.flatten(tree)
-  others = [treedef.flatten_up_to(r) for r in rest]
-  outs = [fn(*args) for args in zip(leaves, *others)]
-  return tuple(treedef.unflatten([o[i] for o in outs]) for i in range(n_out))
-
-
-def zero_moments(params, mu_dtype=None, nu_dtype=None):
-  """``(mu, nu)``: two separate zero trees shaped like ``params``, in ``mu_dtype`` /
-  ``nu_dtype`` (default: each param's dtype).
-
-  ``zeros_like`` keeps each param's sharding and memory kind, so no moment lands on one
-  device first; two trees, because one buffer shared by mu and nu cannot be donated.
-  """
-  mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
-  nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
-  return mu, nu
 
 
 def bias_corrections(b1, b2, count):

@@ -19,15 +19,15 @@ HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
 
 
-def _function_form() -> Callable[..., Any] | None:
-  """The function form of ``compute_on`` if this JAX has one, else ``None``.
+def _function_form() -> Callable[..., Any]:
+  """The function form of ``compute_on``.
 
-  * jax 0.6 - 0.9: ``compute_on(compute_type)`` is a context manager only (checked on
-    0.6.2, 0.7.2, 0.8.3, 0.9.2).
-  * jax 0.10: the context manager, plus the function form ``compute_on2(f, *,
-    compute_type, out_memory_spaces)`` (checked on 0.10.2; used).
+  * jax 0.10: the context manager ``compute_on``, plus the function form ``compute_on2(f,
+    *, compute_type, out_memory_spaces)`` (checked on 0.10.2; used).
   * jax >= 0.11: ``compute_on`` itself becomes the function form; recognised by its
     ``out_memory_spaces`` parameter (not available here to run).
+
+  (jax 0.6 - 0.9 had the context manager only; adamkit requires jax >= 0.10.)
   """
   fn = getattr(_compute_on_mod, "compute_on", None)
   if fn is not None:
@@ -36,7 +36,7 @@ def _function_form() -> Callable[..., Any] | None:
         return fn
     except (TypeError, ValueError):  # a C-implemented callable without a signature
       pass
-  return getattr(_compute_on_mod, "compute_on2", None)
+  return _compute_on_mod.compute_on2
 
 
 _FUNCTION_FORM = _function_form()
@@ -53,13 +53,4 @@ def on_host(fn: Callable[..., Any], out_spaces: Any) -> Callable[..., Any]:
   Returns:
     A function with ``fn``'s signature. Its inputs should already be in host memory.
   """
-  if _FUNCTION_FORM is not None:
-    return _FUNCTION_FORM(fn, compute_type="device_host", out_memory_spaces=out_spaces)
-
-  # Context-manager-only JAX: trace fn under the host annotation, then place the outputs.
-  def wrapped(*args):
-    with _compute_on_mod.compute_on("device_host"):
-      out = fn(*args)
-    return jax.device_put(out, out_spaces)
-
-  return wrapped
+  return _FUNCTION_FORM(fn, compute_type="device_host", out_memory_spaces=out_spaces)

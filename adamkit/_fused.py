@@ -6,17 +6,14 @@ three loops (first moment, second moment, params), about 40 bytes of memory traf
 float32 parameter, while the step's data is 28 bytes (read p, g, m, v; write p, m, v).
 Memory bandwidth, not arithmetic, bounds the step on a CPU (the host-compute offload path
 runs it there), so the fast path is a *fused step* ``(grads, state, params) -> (params,
-state)`` that computes decay, moments, direction, learning rate and the new params together:
+state)`` that computes decay, moments, direction, learning rate and the new params together.
 
-* on CPU, with the compiled kernel available (see :func:`build_cpu_kernel`), one call of a
-  C++ ``jax.ffi`` kernel reads and writes each byte once, in place when the caller donates
-  params and state; in multi-tensor mode (Paddle ``use_multi_tensor``) the moments of all
-  leaves of a dtype are one flat buffer and one call updates up to 32 leaves, so 300 small
-  leaves cost 10 launches and 600 fewer buffers per step, not 900 loops;
-* elsewhere (other backends, other dtypes, no kernel), the same arithmetic in plain JAX,
-  leaf by leaf (XLA fuses each leaf's step; with the flat multi-tensor state each leaf's
-  moments are written back in place with ``dynamic_update_slice``, which XLA compiles
-  slowly for hundreds of leaves: seconds).
+The step asks :mod:`adamkit._ops` for a dense step on each run of leaves and a lazy row
+step on each row-sparse leaf; whether the C++ kernel or XLA computes it is decided there
+(:mod:`adamkit._backend`). In multi-tensor mode (Paddle ``use_multi_tensor``) the moments
+of all leaves of a dtype are one flat buffer, so one kernel call updates a run of up to 32
+float32 leaves (300 small leaves: 10 launches, not 900 loops); on XLA each leaf's moments
+are written back into the flat buffers with ``dynamic_update_slice``.
 
 The reference is the named optimizer: for the options it accepts,
 ``fused_adam(...).step(p, s, g)[0]`` equals ``optax.apply_updates(p, adam(...).update(g, s2,
@@ -37,15 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from adamkit import _adam, _kernels, _masks, _schedules, _sparse, _validate
-from adamkit._adamax import adamax_direction
-from adamkit._dtypes import compute_dtype
-from adamkit._sparse_types import RowSparse, gather_rows, safe_ids, scatter_rows
-
-_LEAVES_PER_CALL = 32  # multi-tensor: leaves per kernel call
-_MIN_LEAF = 1 << 15  # per leaf, backend="auto": smaller leaves stay in XLA
+from adamkit import _adam, _backend, _masks, _ops, _schedules, _validate
+from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
+from adamkit._tree import leaf_names, zero_moments
 
 
 class FusedAdamState(NamedTuple):
@@ -68,50 +60,71 @@ class FusedStep(NamedTuple):
                  tuple[optax.Params, FusedAdamState]]
 
 
-class _Slot(NamedTuple):
-  """Where a leaf's moments live: ``buffer`` key (None: the leaf's own arrays), offset."""
-  buffer: str | None
-  offset: int
+class _Leaf(NamedTuple):
+  """One param leaf in a step: its arrays, and where its moments live."""
+  name: str
+  p: jax.Array
+  g: Any  # a dense gradient or a RowSparse (its rows already decayed)
+  decay: bool  # L2 decay still to add (dense leaves)
+  m_key: Any  # the first moment's buffer: a dtype name (multi-tensor) or the leaf's index
+  m_at: int | None  # offset in that buffer (None: the buffer is the leaf's own array)
+  v_key: Any
+  v_at: int | None
 
 
-def _flat_layout(leaves, dtype_of) -> tuple[list[_Slot], dict[str, int]]:
-  """Multi-tensor layout: leaves of one moment dtype back to back, in tree order."""
+def _flat_layout(leaves, dtype_of) -> tuple[list[tuple[str, int]], dict[str, int]]:
+  """Multi-tensor layout: leaves of one moment dtype back to back, in tree order. Returns
+  each leaf's ``(buffer key, offset)`` and each buffer's size."""
   sizes: dict[str, int] = {}
   slots = []
   for leaf in leaves:
     key = jnp.dtype(dtype_of(leaf)).name
-    slots.append(_Slot(key, sizes.get(key, 0)))
-    sizes[key] = sizes.get(key, 0) + int(np.prod(leaf.shape))
+    slots.append((key, sizes.get(key, 0)))
+    sizes[key] = sizes.get(key, 0) + int(np.prod(np.shape(leaf)))
   return slots, sizes
 
 
-def _dense_xla(kind, p, g, m, v, *, decay, wd, lr, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
-  """One dense leaf in plain JAX, with the reference's rounding points: the direction in the
-  gradient's dtype, then the learning-rate link, then optax.apply_updates in the params'
-  dtype. Returns ``(p, m, v)``."""
-  if decay:
-    g = g + (wd * p.astype(jnp.float32)).astype(g.dtype)
-  g_dtype = g.dtype
-  dt = compute_dtype(g)
-  g = g.astype(dt)
-  if kind == "adamax":
-    u, m2, v2 = adamax_direction(g, m.astype(dt), v.astype(dt), b1=b1, b2=b2, eps=eps, bc1=bc1)
-  else:
-    u, m2, v2 = _adam.adam_direction(g, m.astype(dt), v.astype(dt), b1=b1, b2=b2, eps=eps,
-                                     bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
-  u = u.astype(g_dtype)
-  step = (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
-  return (p + step).astype(p.dtype), m2.astype(m.dtype), v2.astype(v.dtype)
+def _runs(leaves: list[_Leaf]) -> list[list[_Leaf]]:
+  """Consecutive dense leaves sharing buffers, dtypes and decay flag (one kernel call can
+  take them); a row-sparse leaf is a run of its own."""
+  runs: list[list[_Leaf]] = []
+  for leaf in leaves:
+    key = (leaf.m_key, leaf.v_key, leaf.decay, leaf.p.dtype, leaf.g.dtype)
+    last = runs[-1][-1] if runs else None
+    if (last is None or isinstance(leaf.g, RowSparse) or isinstance(last.g, RowSparse)
+        or key != (last.m_key, last.v_key, last.decay, last.p.dtype, last.g.dtype)):
+      runs.append([leaf])
+    else:
+      runs[-1].append(leaf)
+  return runs
 
 
-def _lazy_rows_xla(p, g: RowSparse, m, v, *, lr, merge, **hyper):
-  """One lazy row-sparse leaf in plain JAX: the rows of ``g`` move as in
-  ``ak.sparse_adam`` + ``ak.apply_updates`` (same rounding points); the others keep their
-  bits. Returns ``(p, m, v)``."""
-  ids, u, m, v = _sparse.lazy_rows(g, m, v, merge=merge, backend="xla", **hyper)
-  u = u.astype(g.dtype)
-  step = (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
-  return scatter_rows(p, ids, step, add=True), m, v
+def _check_state(state, params, names, multi_tensor, mu_of, nu_of) -> None:
+  """The state must be this optimizer's, for these params: errors name the leaf."""
+  if not isinstance(state, FusedAdamState):
+    raise TypeError(f"A fused step takes the FusedAdamState made by its own `init`, got a "
+                    f"{type(state).__name__} (the state of ak.adam or another optax chain?).")
+  leaves = jax.tree.leaves(params)
+  if multi_tensor:
+    for name, bufs, dtype_of in (("mu", state.mu, mu_of), ("nu", state.nu, nu_of)):
+      sizes = _flat_layout(leaves, dtype_of)[1]
+      got = ({k: (np.shape(b), getattr(getattr(b, "dtype", None), "name", None))
+              for k, b in bufs.items()} if isinstance(bufs, dict) else type(bufs).__name__)
+      if got != {k: ((n,), k) for k, n in sizes.items()}:
+        raise ValueError(f"The multi-tensor state's {name} buffers {got} do not match the "
+                         f"params (expected {sizes}): was the state made by this optimizer "
+                         "(multi_tensor=True) for these params?")
+    return
+  treedef = jax.tree.structure(params)
+  for name, moments in (("mu", state.mu), ("nu", state.nu)):
+    if jax.tree.structure(moments) != treedef:
+      raise ValueError(f"The state's {name} tree does not match the params tree (a "
+                       "multi-tensor state, or one made for other params?).")
+    for leaf, p, m in zip(names, leaves, jax.tree.leaves(moments)):
+      if np.shape(m) != np.shape(p) or not jnp.issubdtype(m.dtype, jnp.floating):
+        raise ValueError(f"state.{name} of '{leaf}' has shape {np.shape(m)} and dtype "
+                         f"{m.dtype}; the param has shape {np.shape(p)}: a moment must be a "
+                         "floating-point array of its param's shape.")
 
 
 # --------------------------------------------------------------------- the fused step
@@ -125,7 +138,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
   for name, flag in (("nesterov", nesterov), ("multi_tensor", multi_tensor), ("lazy", lazy),
                      ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
-  _validate.check_choice("backend", backend, _kernels.BACKENDS)
+  _validate.check_choice("backend", backend, _backend.BACKENDS)
   if not callable(weight_decay):
     _validate.check_non_negative("weight_decay", weight_decay)
   lr_schedule = _schedules.as_schedule(learning_rate, "learning_rate")
@@ -133,144 +146,90 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
   kind = "adamax" if algo == "adamax" else eps_mode
-  mu_of = lambda p: mu_dtype or p.dtype  # noqa: E731
-  nu_of = lambda p: nu_dtype or p.dtype  # noqa: E731
+  mu_of = lambda p: mu_dtype or p.dtype
+  nu_of = lambda p: nu_dtype or p.dtype
 
   def init_fn(params):
     _validate.check_float_params(params)
-    if multi_tensor:
+    if not multi_tensor:
+      mu, nu = zero_moments(params, mu_dtype, nu_dtype)
+    else:
       leaves = jax.tree.leaves(params)
+      for name, leaf in zip(leaf_names(params), leaves):
+        if _explicit_sharding(leaf) is not None and not leaf.sharding.is_fully_replicated:
+          raise ValueError(
+              f"Param '{name}' is sharded over a mesh with Explicit axes; multi_tensor=True "
+              "keeps every leaf's moments in one flat buffer, which cannot follow that "
+              "sharding. Use multi_tensor=False (moments sharded like their params).")
       mu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, mu_of)[1].items()}
       nu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, nu_of)[1].items()}
-    else:
-      mu, nu = _adam.zero_moments(params, mu_dtype, nu_dtype)
     return FusedAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+  def leaf_records(params, grads, wd) -> list[_Leaf]:
+    """Each leaf with its gradient, decay flag and moment slots; a row-sparse gradient's
+    rows decay here, once per occurrence (MindSpore's rule), or it is densified."""
+    flat_p, treedef = jax.tree.flatten(params)
+    names = leaf_names(params)
+    if multi_tensor:
+      m_slots, v_slots = _flat_layout(flat_p, mu_of)[0], _flat_layout(flat_p, nu_of)[0]
+    else:
+      m_slots = v_slots = [(i, None) for i in range(len(flat_p))]
+    keep = _masks.resolve_mask(weight_decay_mask, params) if decays else None
+    flags = [bool(k) for k in treedef.flatten_up_to(keep)] if decays else [False] * len(flat_p)
+    out = []
+    for name, p, g, decay, m_slot, v_slot in zip(names, flat_p, treedef.flatten_up_to(grads),
+                                                flags, m_slots, v_slots):
+      if isinstance(g, RowSparse):
+        if algo == "adamax":
+          raise TypeError("fused_adamax takes dense gradients (AdaMax has no row-sparse form "
+                          f"in MindSpore or Paddle): pass `g.todense()` for '{name}'.")
+        _ops.check_rows(g, np.shape(p), what=f"gradient of '{name}'")
+        if decay:
+          rows = gather_rows(p, safe_ids(g.indices, g.num_rows))
+          g = g.with_values(g.values + (wd * rows.astype(jnp.float32)).astype(g.dtype))
+          decay = False
+        if not lazy:
+          g = g.todense(like=p)
+      out.append(_Leaf(name, p, g, decay, *m_slot, *v_slot))
+    return out
 
   def step_fn(params, state, grads):
     _validate.check_matching_trees(grads, params)
-    leaves, treedef = jax.tree.flatten(params)
-    g_l = treedef.flatten_up_to(grads)
-    if multi_tensor:
-      m_slots, m_sizes = _flat_layout(leaves, mu_of)
-      v_slots, v_sizes = _flat_layout(leaves, nu_of)
-      for name, sizes, bufs in (("mu", m_sizes, state.mu), ("nu", v_sizes, state.nu)):
-        got = {k: tuple(b.shape) for k, b in dict(bufs).items()}
-        if got != {k: (n,) for k, n in sizes.items()}:
-          raise ValueError(f"The multi-tensor state's {name} buffers {got} do not match the "
-                           f"params (expected {sizes}): was the state made by this optimizer "
-                           "for these params?")
-      mu, nu = dict(state.mu), dict(state.nu)
-      m_l = [lax.slice(mu[s.buffer], (s.offset,), (s.offset + p.size,)).reshape(p.shape)
-             for s, p in zip(m_slots, leaves)]
-      v_l = [lax.slice(nu[s.buffer], (s.offset,), (s.offset + p.size,)).reshape(p.shape)
-             for s, p in zip(v_slots, leaves)]
-    else:
-      _validate.check_matching_trees(state.nu, params, what="optimizer state")
-      m_l = treedef.flatten_up_to(state.mu)
-      v_l = treedef.flatten_up_to(state.nu)
+    _check_state(state, params, leaf_names(params), multi_tensor, mu_of, nu_of)
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
     wd = _schedules.scalar_or_schedule(weight_decay, state.count)
     count = optax.safe_increment(state.count)
     bc1, bc2 = _adam.bias_corrections(b1, b2, count)
-    b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
-    keep = _masks.resolve_mask(weight_decay_mask, params) if decays else None
-    k_l = [bool(k) for k in treedef.flatten_up_to(keep)] if decays else [False] * len(leaves)
-    new_p, new_m, new_v = list(leaves), list(m_l), list(v_l)
-    # Row-sparse gradients, as in ak.sparse_adam: the touched rows decay, once per
-    # occurrence (MindSpore's rule); then the lazy row step below, or (lazy=False) the
-    # dense step on the densified gradient.
-    sparse = [i for i, g in enumerate(g_l) if isinstance(g, RowSparse)]
-    if sparse and algo == "adamax":
-      raise TypeError("fused_adamax takes dense gradients (AdaMax has no row-sparse form in "
-                      "MindSpore or Paddle): pass `g.todense()` for a RowSparse leaf.")
-    for i in sparse:
-      g = g_l[i]
-      if k_l[i]:
-        rows = gather_rows(leaves[i], safe_ids(g.indices, g.num_rows))
-        g = g.with_values(g.values + (wd * rows.astype(jnp.float32)).astype(g.dtype))
-        k_l[i] = False
-      g_l[i] = g if lazy else g.todense(like=leaves[i])
-    if not lazy:
-      sparse = []
-
-    def one_offset(i):  # a kernel call takes one offset into both moment buffers
-      return not multi_tensor or m_slots[i].offset == v_slots[i].offset
-
-    def is_f32(i):
-      return one_offset(i) and all(x.dtype == jnp.float32
-                                   for x in (leaves[i], g_l[i], m_l[i], v_l[i]))
-
-    if backend == "kernel" and not _kernels.cpu_kernel_available():
-      raise RuntimeError("backend='kernel' but the adamkit CPU kernel is not built: run "
-                         "`python -m adamkit._kernels` (see adamkit.build_cpu_kernel).")
-    use_kernel = backend == "kernel" or (backend == "auto" and _kernels.on_cpu(params)
-                                         and _kernels.cpu_kernel_available())
-    # Per leaf, a kernel call costs more than XLA's fused loop on a small leaf.
-    on_kernel = [i for i in range(len(leaves)) if use_kernel and is_f32(i) and i not in sparse
-                 and (multi_tensor or backend == "kernel" or leaves[i].size >= _MIN_LEAF)]
-    # A lazy row step runs on the kernel on one CPU device (auto), or when forced.
-    on_sparse_kernel = [i for i in sparse if one_offset(i) and _kernels.use_sparse_kernel(
-        backend, leaves[i], g_l[i].values, m_l[i], v_l[i], ids=g_l[i].indices,
-        num_rows=g_l[i].num_rows)]
-    if on_kernel or on_sparse_kernel:
-      scalars = _kernels.kernel_scalars(kind, b1_, b2_, eps_, lr, wd, bc1, bc2)
-    for i in on_sparse_kernel:
-      g = g_l[i]
-      args = (kind, nesterov, not unique_ids, scalars, g.indices, g.values)
-      if multi_tensor:
-        key = m_slots[i].buffer
-        mu[key], nu[key], new_p[i] = _kernels.sparse_lazy_call(
-            *args, mu[key], nu[key], leaves[i], num_rows=g.num_rows, offset=m_slots[i].offset)
-      else:
-        new_m[i], new_v[i], new_p[i] = _kernels.sparse_lazy_call(
-            *args, m_l[i], v_l[i], leaves[i], num_rows=g.num_rows)
-    if on_kernel:
-      if multi_tensor:
-        # Runs of consecutive float32 leaves with one decay flag, at most _LEAVES_PER_CALL
-        # each (XLA's compile time grows faster than linearly in a call's operand count).
-        # Each call updates its stretch of the flat moments in place.
-        runs, run = [], []
-        for i in on_kernel:
-          if run and (i != run[-1] + 1 or k_l[i] != k_l[run[0]] or len(run) == _LEAVES_PER_CALL):
-            runs.append(run)
-            run = []
-          run.append(i)
-        runs.append(run)
-        key = m_slots[on_kernel[0]].buffer  # "float32" for both moments
-        for run in runs:
-          p_o, mu[key], nu[key] = _kernels.dense_call(
-              kind, nesterov, k_l[run[0]], m_slots[run[0]].offset, scalars,
-              [leaves[i] for i in run], [g_l[i] for i in run], mu[key], nu[key])
-          for j, i in enumerate(run):
-            new_p[i] = p_o[j]
-      else:
-        for i in on_kernel:
-          (new_p[i],), new_m[i], new_v[i] = _kernels.dense_call(
-              kind, nesterov, k_l[i], 0, scalars, [leaves[i]], [g_l[i]], m_l[i], v_l[i])
-
-    done = set(on_kernel) | set(on_sparse_kernel)
-    for i, (p, g, m, v) in enumerate(zip(leaves, g_l, m_l, v_l)):
-      if i in done:
-        continue
-      if i in sparse:
-        new_p[i], new_m[i], new_v[i] = _lazy_rows_xla(
-            p, g, m, v, lr=lr, merge=not unique_ids, b1=b1_, b2=b2_, eps=eps_, bc1=bc1,
-            bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
-      else:
-        new_p[i], new_m[i], new_v[i] = _dense_xla(
-            kind, p, g, m, v, decay=k_l[i], wd=wd, lr=lr, b1=b1_, b2=b2_, eps=eps_, bc1=bc1,
-            bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
-      if multi_tensor:  # back into the flat buffers, in place
-        ms, vs = m_slots[i], v_slots[i]
-        mu[ms.buffer] = lax.dynamic_update_slice(mu[ms.buffer], new_m[i].ravel(), (ms.offset,))
-        nu[vs.buffer] = lax.dynamic_update_slice(nu[vs.buffer], new_v[i].ravel(), (vs.offset,))
-
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    hyper = _ops.Hyper(kind, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, lr=f32(lr),
+                       wd=f32(wd))
     if multi_tensor:
-      new_state = FusedAdamState(count=count, mu=mu, nu=nu)
+      mu, nu = dict(state.mu), dict(state.nu)
     else:
-      new_state = FusedAdamState(count=count, mu=treedef.unflatten(new_m),
-                                 nu=treedef.unflatten(new_v))
-    return treedef.unflatten(new_p), new_state
+      mu, nu = dict(enumerate(jax.tree.leaves(state.mu))), dict(enumerate(jax.tree.leaves(state.nu)))
+    new_params = []
+    # The step, in the order of its equations: this step's scalars (learning rate, decay,
+    # bias corrections), then each run of leaves: decay, moments, direction, new params.
+    for run in _runs(leaf_records(params, grads, wd)):
+      first = run[0]
+      m, v = mu[first.m_key], nu[first.v_key]
+      if isinstance(first.g, RowSparse):
+        p, m, v = _ops.lazy_row_step(hyper, first.p, first.g, m, v, m_at=first.m_at,
+                                     v_at=first.v_at, merge=not unique_ids, backend=backend)
+        ps = [p]
+      else:
+        flat = first.m_at is not None
+        ps, m, v = _ops.dense_step(hyper, [x.p for x in run], [x.g for x in run], m, v,
+                                   m_at=[x.m_at for x in run] if flat else None,
+                                   v_at=[x.v_at for x in run] if flat else None,
+                                   decay=first.decay, backend=backend)
+      mu[first.m_key], nu[first.v_key] = m, v
+      new_params += ps
+
+    treedef = jax.tree.structure(params)
+    if not multi_tensor:
+      mu, nu = treedef.unflatten(list(mu.values())), treedef.unflatten(list(nu.values()))
+    return treedef.unflatten(new_params), FusedAdamState(count=count, mu=mu, nu=nu)
 
   return FusedStep(init_fn, step_fn)
 
@@ -318,11 +277,13 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     nu_dtype: dtype of the second moment (default: the params' dtype).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (Paddle ``use_multi_tensor``);
-      ``False``: state shaped like the params, one kernel call per leaf of at least 32K
-      elements (smaller leaves: XLA).
-    backend: ``"auto"`` (the kernel for float32 leaves on CPU when built, JAX otherwise;
-      row-sparse leaves: on one CPU device), ``"kernel"`` (error if not built) or ``"xla"``
-      (pure JAX).
+      ``False``: state shaped like the params (and sharded like them), one kernel call per
+      leaf of at least 32K elements (smaller leaves: XLA). Params sharded on a mesh with
+      Explicit axes need ``False``.
+    backend: ``"auto"`` (the kernel, when built, for float32 leaves computed on one CPU
+      device; XLA otherwise, e.g. for params sharded over several devices, whose shardings
+      XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it cannot take or
+      known to span several devices) or ``"xla"`` (pure JAX). The rule: ``docs/backend.md``.
     lazy: a ``RowSparse`` gradient moves its rows only (default) or is densified.
     unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
       merge (as in :func:`sparse_adam`).

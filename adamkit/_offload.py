@@ -35,6 +35,7 @@ from adamkit._sparse_types import (
     is_row_sparse,
     safe_ids,
 )
+from adamkit._tree import is_tracer
 
 _MODES = ("compute", "state")
 _HOST_KINDS = ("pinned_host",)
@@ -122,7 +123,7 @@ def check_support(mode: str, memory_kind: str, devices=None) -> None:
 def _concrete_devices(tree) -> list | None:
   devs = []
   for leaf in jax.tree.leaves(tree):
-    if isinstance(leaf, jax.core.Tracer):
+    if is_tracer(leaf):
       return None
     sharding = getattr(leaf, "sharding", None)
     if sharding is not None:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adamkit import _validate
+from adamkit._tree import is_tracer
 
 ScalarOrSchedule = Union[float, int, jax.Array, np.ndarray, collections.abc.Iterable,
                          Callable[[jax.Array], jax.Array]]
@@ -93,7 +94,7 @@ def as_schedule(value: ScalarOrSchedule, name: str = "learning_rate") -> Callabl
     raise TypeError(f"`{name}` array must hold real numbers, got dtype {arr.dtype}.")
   if arr.ndim == 1 and arr.shape[0] == 0:
     raise ValueError(f"`{name}` must not be empty.")
-  if not isinstance(arr, jax.core.Tracer):
+  if not is_tracer(arr):
     host = np.asarray(arr, dtype=np.float64)
     if not np.all(np.isfinite(host)) or np.any(host < 0):
       bad = host[~(np.isfinite(host) & (host >= 0))].ravel()[0]

@@ -23,37 +23,10 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from adamkit import _adam, _groups, _kernels, _masks, _schedules, _validate
+from adamkit import _adam, _backend, _groups, _masks, _ops, _schedules, _validate
 from adamkit._dtypes import compute_dtype
-from adamkit._sparse_types import (
-    RowSparse,
-    check_row_args,
-    gather_rows,
-    is_row_sparse,
-    safe_ids,
-    scatter_rows,
-)
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov, merge,
-              backend):
-  """Adam on the rows of ``g`` only, duplicates summed first when ``merge``. Returns
-  ``(ids, u_rows, m, v)`` with distinct ids (padding: ``num_rows``, dropped by scatters)."""
-  if _kernels.use_sparse_kernel(backend, g.values, m, v, ids=g.indices, num_rows=g.num_rows):
-    scalars = _kernels.kernel_scalars(eps_mode, b1, b2, eps, 0.0, 0.0, bc1, bc2)
-    m, v, ids, u = _kernels.sparse_lazy_call(eps_mode, nesterov, merge, scalars, g.indices,
-                                             g.values, m, v, num_rows=g.num_rows)
-    return ids, u, m, v
-  if merge:
-    g = g.coalesce()
-  ids = safe_ids(g.indices, g.num_rows)
-  dt = compute_dtype(g.values)
-  u, m_rows, v_rows = _adam.adam_direction(
-      g.values.astype(dt), gather_rows(m, ids).astype(dt), gather_rows(v, ids).astype(dt),
-      b1=b1, b2=b2, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
-  return ids, u, scatter_rows(m, ids, m_rows), scatter_rows(v, ids, v_rows)
+from adamkit._sparse_types import RowSparse, check_row_args, is_row_sparse
+from adamkit._tree import leaf_names, zero_moments
 
 
 def check_row_ids(grads: Any) -> None:
@@ -223,19 +196,12 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
     is the same rule.
   """
   _validate.check_bool("use_nesterov", use_nesterov)
-  _validate.check_choice("backend", backend, _kernels.BACKENDS)
+  _validate.check_choice("backend", backend, _backend.BACKENDS)
   var, m, v, g = _fused_args(var, m, v, gradient, indices)
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
-  if _kernels.use_sparse_kernel(backend, var, m, v, g.values, ids=g.indices, num_rows=g.num_rows):
-    scalars = _kernels.kernel_scalars("hat", hyper["b1"], hyper["b2"], hyper["eps"], lr, 0.0,
-                                      hyper["bc1"], hyper["bc2"])
-    m, v, var = _kernels.sparse_lazy_call("hat", use_nesterov, True, scalars, g.indices,
-                                          g.values, m, v, var, num_rows=g.num_rows)
-    return var, m, v
-  ids, u, m, v = lazy_rows(g, m, v, eps_mode="hat", nesterov=use_nesterov, merge=True,
-                           backend="xla", **hyper)
-  rows = gather_rows(var, ids).astype(u.dtype) - lr * u
-  return scatter_rows(var, ids, rows), m, v
+  h = _ops.Hyper("hat", use_nesterov, lr=lr, **hyper)
+  var, m, v = _ops.lazy_row_step(h, var, g, m, v, merge=True, backend=backend)
+  return var, m, v
 
 
 # ---------------------------------------------------------------------- transforms
@@ -303,12 +269,12 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
-  _validate.check_choice("backend", backend, _kernels.BACKENDS)
+  _validate.check_choice("backend", backend, _backend.BACKENDS)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
   def init_fn(params):
     _validate.check_float_params(params)
-    mu, nu = _adam.zero_moments(params, mu_dtype)
+    mu, nu = zero_moments(params, mu_dtype)
     return ScaleBySparseAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):
@@ -316,37 +282,32 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     _validate.check_matching_trees(updates, state.nu, what="optimizer state")
     count = optax.safe_increment(state.count)
     bc1, bc2 = _adam.bias_corrections(b1, b2, count)
-    hyper = dict(b1=jnp.asarray(b1, jnp.float32), b2=jnp.asarray(b2, jnp.float32),
-                 eps=jnp.asarray(eps, jnp.float32), bc1=bc1, bc2=bc2, eps_mode=eps_mode,
-                 nesterov=nesterov)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    h = _ops.Hyper(eps_mode, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2)
 
-    def leaf(g, m, v):
+    def leaf(name, g, m, v):
+      if isinstance(g, RowSparse):
+        _ops.check_rows(g, m.shape, what=f"gradient of '{name}'")
+        _ops.check_moments(v, None, m.shape, f"second moment of '{name}'")
       if isinstance(g, RowSparse) and lazy:
-        _check_table(g, m)
-        ids, u, m, v = lazy_rows(g, m, v, merge=not unique_ids, backend=backend, **hyper)
+        ids, u, m, v = _ops.lazy_rows(h, g, m, v, table_shape=m.shape, merge=not unique_ids,
+                                      backend=backend)
         return RowSparse.tree_unflatten(g.num_rows, (ids, u.astype(g.dtype))), m, v
       if isinstance(g, RowSparse):
-        _check_table(g, m)
         g = g.todense(like=m)
       dt = compute_dtype(g)
-      u, m_new, v_new = _adam.adam_direction(g.astype(dt), m.astype(dt), v.astype(dt), **hyper)
+      u, m_new, v_new = _ops.direction(h, g.astype(dt), m.astype(dt), v.astype(dt))
       return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
 
     treedef = jax.tree.structure(state.nu)
-    out = [leaf(g, m, v) for g, m, v in zip(treedef.flatten_up_to(updates),
-                                           jax.tree.leaves(state.mu), jax.tree.leaves(state.nu))]
+    out = [leaf(*args) for args in zip(leaf_names(state.nu), treedef.flatten_up_to(updates),
+                                       jax.tree.leaves(state.mu), jax.tree.leaves(state.nu))]
     if not out:
       return updates, state._replace(count=count)
     u, mu, nu = (treedef.unflatten(list(x)) for x in zip(*out))
     return u, ScaleBySparseAdamState(count=count, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _check_table(g: RowSparse, m: jax.Array) -> None:
-  if m.ndim < 1:
-    raise ValueError("A RowSparse gradient needs a table of at least 1 dimension; the "
-                     f"matching parameter has shape {m.shape}.")
 
 
 def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
@@ -414,7 +375,7 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
-  _validate.check_choice("backend", backend, _kernels.BACKENDS)
+  _validate.check_choice("backend", backend, _backend.BACKENDS)
 
   def direction(b1, b2, eps):
     return scale_by_sparse_adam(b1, b2, eps, lazy=lazy, eps_mode=eps_mode, nesterov=nesterov,
@@ -450,7 +411,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates, *,
     >>> ak.apply_updates(p, u)["emb"][:, 0]
     Array([0., 1., 0., 0.], dtype=float32)
   """
-  _validate.check_choice("backend", backend, _kernels.BACKENDS)
+  _validate.check_choice("backend", backend, _backend.BACKENDS)
 
   def apply(p, u):
     if p is None:
@@ -459,11 +420,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates, *,
       if u.shape != tuple(np.shape(p)):
         raise ValueError(f"A RowSparse update of dense shape {u.shape} does not fit a "
                          f"parameter of shape {np.shape(p)}.")
-      p = jnp.asarray(p)
-      if _kernels.use_sparse_kernel(backend, p, u.values, ids=u.indices, num_rows=u.num_rows):
-        return _kernels.row_add_call(p, u.indices, u.values)
-      ids = safe_ids(u.indices, u.num_rows)
-      return scatter_rows(p, ids, u.values, add=True)
+      return _ops.row_add(jnp.asarray(p), u, backend=backend)
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
   return jax.tree.map(apply, params, updates, is_leaf=lambda x: x is None)

@@ -16,10 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adamkit._dtypes import compute_dtype
-
-
-def _is_tracer(x: Any) -> bool:
-  return isinstance(x, jax.core.Tracer)
+from adamkit._tree import is_tracer
 
 
 def check_ids(indices: Any, num_rows: int, *, indices_name: str = "indices",
@@ -39,7 +36,7 @@ def check_ids(indices: Any, num_rows: int, *, indices_name: str = "indices",
   if np.ndim(indices) != 1:
     raise ValueError(
         f"`{indices_name}` must be 1-D, shape (k,), got shape {np.shape(indices)}.")
-  if not _is_tracer(indices):
+  if not is_tracer(indices):
     host = np.asarray(indices)
     bad = np.flatnonzero((host < 0) | (host >= num_rows))
     if bad.size:
@@ -89,8 +86,11 @@ def safe_ids(indices: jax.Array, num_rows: int) -> jax.Array:
 
   JAX wraps negative indices Python-style, so ``-1`` would reach the last row; after this
   every bad id is one past the end, which ``mode="drop"`` scatters ignore and
-  ``mode="fill"`` gathers read as zero.
+  ``mode="fill"`` gathers read as zero. Ids too narrow to hold ``num_rows`` (int8 ids of a
+  300-row table) widen to int32 first.
   """
+  if num_rows > jnp.iinfo(indices.dtype).max:
+    indices = indices.astype(jnp.int32 if num_rows <= np.iinfo(np.int32).max else jnp.int64)
   valid = (indices >= 0) & (indices < num_rows)
   return jnp.where(valid, indices, jnp.asarray(num_rows, indices.dtype))
 
@@ -99,16 +99,11 @@ def _explicit_sharding(x: Any):
   """``x``'s sharding when it lives on a mesh with Explicit axes, else ``None``.
 
   With explicit sharding (the default of ``jax.make_mesh`` since JAX 0.7), a gather from or
-  scatter into a row-sharded table must be told its output sharding. ``jax.typeof`` and
-  ``AxisType`` exist from JAX 0.6; older versions have no explicit mode (``None``).
+  scatter into a row-sharded table must be told its output sharding.
   """
-  typeof = getattr(jax, "typeof", None)
-  axis_type = getattr(jax.sharding, "AxisType", None)
-  if typeof is None or axis_type is None:
-    return None
-  sharding = getattr(typeof(x), "sharding", None)
+  sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not any(t == axis_type.Explicit for t in getattr(mesh, "axis_types", ())):
+  if mesh is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
     return None
   return sharding
 
@@ -118,6 +113,8 @@ def gather_rows(x: jax.Array, ids: jax.Array) -> jax.Array:
 
   Under explicit sharding the gathered rows come out replicated.
   """
+  if x.shape[0] == 0:  # an empty table: every id is out of range (XLA cannot gather from it)
+    return jnp.zeros((ids.shape[0], *x.shape[1:]), x.dtype)
   sharding = _explicit_sharding(x)
   kw = {}
   if sharding is not None:

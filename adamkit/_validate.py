@@ -17,10 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from adamkit._sparse_types import is_row_sparse
-
-
-def _is_tracer(x: Any) -> bool:
-  return isinstance(x, jax.core.Tracer)
+from adamkit._tree import is_tracer as _is_tracer
+from adamkit._tree import path_name
 
 
 def _concrete_scalar(name: str, value: Any) -> float | None:
@@ -70,25 +68,6 @@ def check_bool(name: str, value: Any) -> None:
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
   if value not in choices:
     raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
-
-
-def path_name(path) -> str:
-  """A dotted name for a pytree path: ``{'bn1': {'gamma': x}}`` -> ``'bn1.gamma'``."""
-  parts = []
-  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-    path = path[:-1]  # Flax NNX variables hold their array in `.value`: name the variable
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      parts.append(str(k.key))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      parts.append(k.name)
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(str(k.idx))
-    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(k.key))
-    else:
-      parts.append(str(k))
-  return ".".join(parts)
 
 
 def check_float_params(params: Any, what: str = "params") -> None:

@@ -14,7 +14,7 @@ import pytest
 from reference import NumpyAdam
 
 import adamkit as ak
-from adamkit import _kernels
+from adamkit import _backend
 
 STEPS = 3
 
@@ -140,7 +140,7 @@ def test_low_precision_moments_match_the_chain():
 
 
 def test_auto_backend_without_kernel_is_pure_jax(monkeypatch):
-  monkeypatch.setattr(_kernels, "_registered", False)
+  monkeypatch.setattr(_backend, "kernel_built", lambda: False)
   params = make_params()
   opt = ak.fused_adam(0.1)
   hlo = jax.jit(opt.step).lower(params, opt.init(params), grads_like(params, 0)).as_text()
@@ -236,3 +236,32 @@ def test_kernel_step_batches_under_vmap(kernel):
   got = jax.jit(jax.vmap(lambda p, g: member("kernel", p, g)))(params, grads)
   want = jax.jit(jax.vmap(lambda p, g: member("xla", p, g)))(params, grads)
   np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------ malformed states and inputs
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "xla"])
+def test_a_first_moment_smaller_than_its_param_is_refused(kernel, backend):
+  """Known defect: the dense kernel sized both moments by the second one and wrote past a
+  short first moment (heap corruption, abort). Now a ValueError names the leaf."""
+  opt = ak.fused_adam(0.1, multi_tensor=False, backend=backend)
+  params = {"w": jnp.ones(100_000)}
+  state = opt.init(params)._replace(mu={"w": jnp.zeros(10)})
+  with pytest.raises(ValueError, match=r"state.mu of 'w' has shape \(10,\)"):
+    jax.jit(opt.step)(params, state, params)
+  bad_nu = opt.init(params)._replace(nu={"w": jnp.zeros((100_000,), jnp.int32)})
+  with pytest.raises(ValueError, match="state.nu of 'w'"):
+    jax.jit(opt.step)(params, bad_nu, params)
+
+
+def test_a_state_of_another_optimizer_is_refused():
+  params = make_params()
+  opt = ak.fused_adam(0.1)
+  with pytest.raises(TypeError, match="FusedAdamState.*tuple"):
+    opt.step(params, ak.adam(0.1).init(params), grads_like(params, 0))
+  per_leaf = ak.fused_adam(0.1, multi_tensor=False).init(params)
+  with pytest.raises(ValueError, match="multi-tensor state's mu"):
+    opt.step(params, per_leaf, grads_like(params, 0))
+  with pytest.raises(ValueError, match="state's mu tree does not match"):
+    ak.fused_adam(0.1, multi_tensor=False).step(params, opt.init(params), grads_like(params, 0))

@@ -543,7 +543,7 @@ def test_this_backend_supports_both_modes_or_says_why():
 
 
 @needs_host
-def test_compute_on_shim_both_forms(monkeypatch):
+def test_compute_on_shim_both_forms():
   x = jax.device_put(jnp.arange(4.0), jax.sharding.SingleDeviceSharding(
       jax.devices()[0], memory_kind=HOST))
 
@@ -563,6 +563,4 @@ def test_compute_on_shim_both_forms(monkeypatch):
   has_function_form = hasattr(mod, "compute_on2") or "out_memory_spaces" in str(
       inspect.signature(mod.compute_on))
   assert (_compat._FUNCTION_FORM is not None) == has_function_form
-  run()
-  monkeypatch.setattr(_compat, "_FUNCTION_FORM", None)  # jax with the context manager only
   run()

@@ -744,3 +744,106 @@ def test_kernel_steps_batch_under_vmap(kernel):
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
   assert np.asarray(got[0])[1, 3, 0] != 0 and np.asarray(got[0])[1, 4, 0] == 0
+
+
+# ------------------------------------------------------------ malformed and edge inputs
+
+
+def _short_values():
+  """Four ids, two value rows: a RowSparse made past its checks with ``with_values``."""
+  g = ak.RowSparse(jnp.array([1, 2, 3, 4]), jnp.ones((4, 8)), 100)
+  return g.with_values(jnp.ones((2, 8)))
+
+
+def test_values_with_fewer_rows_than_ids_are_refused(backend):
+  """Known defect: the lazy kernel divided the values' size by the id count to get the row
+  width and moved rows not in ``ids``, silently. Now every path names the leaf."""
+  params = {"emb": jnp.zeros((100, 8))}
+  tx = ak.sparse_adam(0.1, backend=backend)
+  with pytest.raises(ValueError, match="'emb' has 4 ids but values of shape"):
+    jax.jit(tx.update)({"emb": _short_values()}, tx.init(params), params)
+  opt = ak.fused_adam(0.1, backend=backend)
+  with pytest.raises(ValueError, match="'emb' has 4 ids"):
+    jax.jit(opt.step)(params, opt.init(params), {"emb": _short_values()})
+  with pytest.raises(ValueError, match="one row of values per id"):
+    ak.apply_updates(params, {"emb": _short_values()}, backend=backend)
+
+
+def test_empty_batch(backend):
+  """k = 0 ids: nothing moves, on every lazy path (the kernel used to refuse it)."""
+  table = jnp.asarray(np.random.default_rng(0).normal(size=(50, 3)), jnp.float32)
+  ids, vals = jnp.zeros((0,), jnp.int32), jnp.zeros((0, 3), jnp.float32)
+  var, m, v = jax.jit(functools.partial(ak.fused_sparse_lazy_adam, backend=backend))(
+      table, table, table, 0.9, 0.999, 0.1, 0.9, 0.999, 1e-8, vals, ids)
+  for x in (var, m, v):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(table))
+  for mt in (True, False):
+    opt = ak.fused_adam(0.1, backend=backend, multi_tensor=mt)
+    new, state = jax.jit(opt.step)({"e": table}, opt.init({"e": table}),
+                                   {"e": ak.RowSparse(ids, vals, 50)})
+    np.testing.assert_array_equal(np.asarray(new["e"]), np.asarray(table))
+    assert int(state.count) == 1
+
+
+def test_empty_table_with_traced_ids(backend):
+  params = {"e": jnp.zeros((0, 4))}
+  tx = ak.sparse_adam(0.1, backend=backend)
+
+  @jax.jit
+  def step(ids):
+    grads = {"e": ak.RowSparse(ids, jnp.ones((2, 4)), 0)}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return ak.apply_updates(params, updates, backend=backend)
+
+  assert step(jnp.array([0, 1]))["e"].shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int16, jnp.uint8])
+def test_narrow_ids_for_a_larger_table(backend, dtype):
+  """int8 ids traced for a 300-row table (the padding id 300 does not fit int8)."""
+  table = jnp.zeros((300, 4))
+  want = {}
+  for ids_dtype in (dtype, jnp.int32):
+    tx = ak.sparse_adam(0.1, backend=backend)
+    opt = ak.fused_adam(0.1, backend=backend)
+
+    @jax.jit
+    def both(ids, tx=tx, opt=opt):
+      g = {"e": ak.RowSparse(ids, jnp.ones((3, 4)), 300)}
+      updates, _ = tx.update(g, tx.init({"e": table}), {"e": table})
+      return (ak.apply_updates({"e": table}, updates, backend=backend),
+              opt.step({"e": table}, opt.init({"e": table}), g)[0])
+
+    ids = jnp.array([5, 7, 5] if dtype == jnp.uint8 else [5, -3, 5], jnp.int32)
+    want[ids_dtype] = both(ids.astype(ids_dtype))
+  for a, b in zip(jax.tree.leaves(want[dtype]), jax.tree.leaves(want[jnp.int32])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert float(jnp.abs(want[dtype][0]["e"][5]).sum()) > 0
+
+
+def test_short_moments_name_the_leaf(backend):
+  """A (10, 4) first moment for a (1000, 4) table: refused on every path (XLA used to
+  accept it, its gathers reading zeros)."""
+  params = {"emb": jnp.zeros((1000, 4))}
+  grads = {"emb": ak.RowSparse(jnp.array([1, 500]), jnp.ones((2, 4)), 1000)}
+  tx = ak.scale_by_sparse_adam(backend=backend)
+  state = tx.init(params)
+  state = state._replace(mu={"emb": jnp.zeros((10, 4))})
+  with pytest.raises(ValueError, match="'emb'"):
+    jax.jit(tx.update)(grads, state)
+  var = params["emb"]
+  with pytest.raises(ValueError, match="`m` must have the shape of `var`"):
+    ak.fused_sparse_lazy_adam(var, var[:10], var, 0.9, 0.999, 0.1, 0.9, 0.999, 1e-8,
+                              np.ones((2, 4), np.float32), [1, 2], backend=backend)
+
+
+def test_int64_ids_past_int32_are_caught_outside_jit():
+  """With x64 off, jit narrows int64 arguments to int32 before adamkit sees them (2**32 + 3
+  becomes 3): that cannot be checked inside the trace (docs/backend.md). Outside jit the
+  ids are range-checked on the host before any cast."""
+  with pytest.raises(ValueError, match="4294967299"):
+    ak.RowSparse(np.array([2**32 + 3]), np.ones((1, 4), np.float32), 10)
+  with pytest.raises(ValueError, match="4294967299"):
+    ak.fused_sparse_lazy_adam(np.zeros((10, 4), np.float32), np.zeros((10, 4), np.float32),
+                              np.zeros((10, 4), np.float32), 0.9, 0.999, 0.1, 0.9, 0.999, 1e-8,
+                              np.ones((1, 4), np.float32), np.array([2**32 + 3]))

@@ -12,6 +12,7 @@
 // caller in JAX).
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -182,31 +183,45 @@ void RunRange(ChunkFn fn, const std::vector<Leaf>& leaves, const float* s, int64
   }
 }
 
+// The number of state buffers of the dense step (first and second moment). A variant with
+// more state (AMSGrad's running maximum) raises it together with the Python caller
+// (adamkit/_cpu/ffi.py), which passes the same count as the `state` attribute.
+constexpr int64_t kStateBuffers = 2;
+
 // Arguments: scalars (f32[9]), then L params and L gradients (float32, any shape), then
 // the first and second moments, each one flat float32 buffer in which the L leaves lie
 // back to back from element `offset` (multi-tensor mode; one leaf: its own moments, offset
 // 0). Results: the L params and the two moment buffers, aliased to the inputs when the
 // caller donates them (otherwise fresh buffers, filled from the inputs first).
+// Every buffer is checked against its own size: nothing is read or written outside it.
 ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::RemainingArgs args,
                 ffi::RemainingRets rets, int64_t kind, bool nesterov, bool decay,
-                int64_t offset) {
+                int64_t offset, int64_t state) {
   if (scalars.element_count() != 9) {
     return ffi::Error::InvalidArgument("adamkit cpu step: expected 9 scalars");
   }
-  if (args.size() < 4 || args.size() % 2 != 0 || rets.size() != args.size() / 2 + 1) {
+  if (state != kStateBuffers || kind < kAdamHat || kind > kAdamax) {
+    return ffi::Error::InvalidArgument("adamkit cpu step: unknown variant or state count");
+  }
+  if (args.size() < 2 + kStateBuffers || (args.size() - kStateBuffers) % 2 != 0 ||
+      rets.size() != (args.size() - kStateBuffers) / 2 + kStateBuffers) {
     return ffi::Error::InvalidArgument("adamkit cpu step: expected 2L+2 arguments, L+2 results");
   }
-  const size_t num = (args.size() - 2) / 2;
-  float* moments[2];
-  int64_t moment_size = 0;
-  for (size_t k = 0; k < 2; ++k) {
+  if (offset < 0) return ffi::Error::InvalidArgument("adamkit cpu step: negative offset");
+  const size_t num = (args.size() - kStateBuffers) / 2;
+  float* moments[kStateBuffers];
+  int64_t moment_size[kStateBuffers];
+  for (size_t k = 0; k < kStateBuffers; ++k) {
     auto in = args.get<ffi::Buffer<ffi::F32>>(2 * num + k);
     auto out = rets.get<ffi::Buffer<ffi::F32>>(num + k);
     if (in.has_error()) return in.error();
     if (out.has_error()) return out.error();
-    moment_size = static_cast<int64_t>(in->element_count());
+    moment_size[k] = static_cast<int64_t>(in->element_count());
+    if (static_cast<int64_t>((*out)->element_count()) != moment_size[k]) {
+      return ffi::Error::InvalidArgument("adamkit cpu step: a moment result differs from its input");
+    }
     moments[k] = (*out)->typed_data();
-    if (moments[k] != in->typed_data()) std::copy_n(in->typed_data(), moment_size, moments[k]);
+    if (moments[k] != in->typed_data()) std::copy_n(in->typed_data(), moment_size[k], moments[k]);
   }
   std::vector<Leaf> leaves(num);
   int64_t total = 0;
@@ -218,11 +233,15 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
     if (g.has_error()) return g.error();
     if (p_out.has_error()) return p_out.error();
     const int64_t n = static_cast<int64_t>(p->element_count());
-    if (static_cast<int64_t>(g->element_count()) != n) {
+    if (static_cast<int64_t>(g->element_count()) != n ||
+        static_cast<int64_t>((*p_out)->element_count()) != n) {
       return ffi::Error::InvalidArgument("adamkit cpu step: a gradient differs from its param");
     }
-    if (offset + total + n > moment_size) {
-      return ffi::Error::InvalidArgument("adamkit cpu step: moment buffers too small");
+    for (size_t k = 0; k < kStateBuffers; ++k) {
+      if (offset + total + n > moment_size[k]) {
+        return ffi::Error::InvalidArgument(
+            "adamkit cpu step: a moment buffer is smaller than its params");
+      }
     }
     float* po = (*p_out)->typed_data();
     if (po != p->typed_data()) std::copy_n(p->typed_data(), n, po);
@@ -269,8 +288,18 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
   if (args.size() != (apply ? 3u : 2u) || rets.size() != (apply ? 3u : 4u)) {
     return ffi::Error::InvalidArgument("adamkit sparse step: wrong number of operands");
   }
+  if (kind < kAdamHat || kind > kAdamax || rows < 0 || rows > INT32_MAX || offset < 0) {
+    return ffi::Error::InvalidArgument("adamkit sparse step: bad variant, row count or offset");
+  }
+  // Sizes from each buffer's own dimensions: k from the ids, the row width from the
+  // gradient rows' shape (not from a division, which a short gradient would fool).
   const int64_t k = static_cast<int64_t>(ids.element_count());
-  const int64_t width = k ? static_cast<int64_t>(grad.element_count()) / k : 0;
+  const auto dims = grad.dimensions();
+  if (dims.size() < 1 || dims[0] != k || k > INT32_MAX) {
+    return ffi::Error::InvalidArgument("adamkit sparse step: gradient rows do not match ids");
+  }
+  int64_t width = 1;
+  for (size_t d = 1; d < dims.size(); ++d) width *= dims[d];
   if (width * k != static_cast<int64_t>(grad.element_count())) {
     return ffi::Error::InvalidArgument("adamkit sparse step: gradient rows do not match ids");
   }
@@ -281,9 +310,12 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     if (in.has_error()) return in.error();
     if (out.has_error()) return out.error();
     const int64_t n = static_cast<int64_t>(in->element_count());
-    const bool ok = j < 2 ? offset >= 0 && offset + rows * width <= n : n == rows * width;
-    if (!ok || rows < 0) {
-      return ffi::Error::InvalidArgument("adamkit sparse step: buffer sizes do not match");
+    const bool ok = j < 2 ? offset + rows * width <= n : n == rows * width;
+    if (!ok || static_cast<int64_t>((*out)->element_count()) != n) {
+      return ffi::Error::InvalidArgument(
+          j == 0   ? "adamkit sparse step: the first moment is smaller than the table"
+          : j == 1 ? "adamkit sparse step: the second moment is smaller than the table"
+                   : "adamkit sparse step: the table is not num_rows rows of the gradient's width");
     }
     bufs[j] = (*out)->typed_data();
     if (bufs[j] != in->typed_data()) std::copy_n(in->typed_data(), n, bufs[j]);
@@ -333,6 +365,10 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     auto dir = rets.get<ffi::Buffer<ffi::F32>>(3);
     if (ids_out.has_error()) return ids_out.error();
     if (dir.has_error()) return dir.error();
+    if (static_cast<int64_t>((*ids_out)->element_count()) != k ||
+        static_cast<int64_t>((*dir)->element_count()) != k * width) {
+      return ffi::Error::InvalidArgument("adamkit sparse step: result sizes do not match ids");
+    }
     int32_t* io = (*ids_out)->typed_data();
     std::copy(uid.begin(), uid.end(), io);
     std::fill(io + distinct, io + k, static_cast<int32_t>(rows));
@@ -384,16 +420,29 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
 // with repeated ids must not race.
 ffi::Error RowAdd(ffi::BufferR1<ffi::S32> ids, ffi::Buffer<ffi::F32> rows_in,
                   ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> out) {
+  // The table's rows and width from its own shape, k from the ids; the update rows must
+  // be k rows of that width.
   const int64_t k = static_cast<int64_t>(ids.element_count());
   const int64_t size = static_cast<int64_t>(table.element_count());
-  const int64_t width = k ? static_cast<int64_t>(rows_in.element_count()) / k : 0;
-  if (width * k != static_cast<int64_t>(rows_in.element_count())) {
+  const auto tdims = table.dimensions();
+  const auto rdims = rows_in.dimensions();
+  if (tdims.size() < 1 || rdims.size() != tdims.size() || rdims[0] != k) {
     return ffi::Error::InvalidArgument("adamkit row add: rows do not match ids");
+  }
+  int64_t width = 1;
+  for (size_t d = 1; d < tdims.size(); ++d) {
+    if (rdims[d] != tdims[d]) {
+      return ffi::Error::InvalidArgument("adamkit row add: rows do not match the table's rows");
+    }
+    width *= tdims[d];
+  }
+  if (static_cast<int64_t>(out->element_count()) != size) {
+    return ffi::Error::InvalidArgument("adamkit row add: result differs from the table");
   }
   float* p = out->typed_data();
   if (p != table.typed_data()) std::copy_n(table.typed_data(), size, p);
-  if (width == 0) return ffi::Error::Success();
-  const int64_t rows = size / width;
+  const int64_t rows = tdims[0];
+  if (width == 0 || rows == 0) return ffi::Error::Success();
   const int32_t* id = ids.typed_data();
   const float* u = rows_in.typed_data();
   const int64_t lines = std::min<int64_t>((width * 4 + 63) / 64, 16);
@@ -423,7 +472,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStep, Step,
                                   .Attr<int64_t>("kind")
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("decay")
-                                  .Attr<int64_t>("offset"));
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("state"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuSparseLazy, SparseLazy,
                               ffi::Ffi::Bind()

@@ -1,0 +1,77 @@
+"""How the CPU kernels are compiled.
+
+Used by :func:`build_cpu_kernel` (``python -m adamkit._kernels``) and by the install-time
+build hook (``hatch_build.py``), which loads this file by path: standard library only at
+import, so the build environment needs no adamkit dependency but jax's headers.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+SOURCE = pathlib.Path(__file__).parent / "adam_kernels.cc"
+LIBRARY_NAME = "libadamkit_cpu.so"
+# -fsanitize flags of the sanitizer build (tests/test_sanitizer.py): every out-of-bounds
+# access and undefined operation in a kernel aborts with a report.
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer", "-g"]
+
+
+def compile_command(source: str | os.PathLike, output: str | os.PathLike, include_dir: str,
+                    cxx: str | None = None, *, sanitize: bool = False) -> list[str]:
+  """The compiler invocation for ``source`` -> shared library ``output``.
+
+  -fno-math-errno lets the compiler vectorize sqrt; no -ffast-math and no FMA contraction,
+  so each operation rounds as XLA's does. -march stays at the platform default so the
+  library runs on any machine of the architecture. ``sanitize``: an AddressSanitizer and
+  UndefinedBehaviorSanitizer build (-O1, for tests).
+  """
+  opt = ["-O1", *SANITIZE] if sanitize else ["-O3"]
+  return [cxx or os.environ.get("CXX", "c++"), *opt, "-std=c++17", "-shared", "-fPIC",
+          "-fno-math-errno", "-ffp-contract=off", "-w", f"-I{include_dir}", str(source),
+          "-o", str(output)]
+
+
+def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str | None = None,
+                     verbose: bool = False, sanitize: bool = False) -> pathlib.Path:
+  """Compiles adamkit's CPU kernels (``adamkit/_cpu/adam_kernels.cc``: the one-pass dense
+  step, the lazy sparse step and the row add) with the system's C++ compiler against the
+  XLA FFI headers that ship with jaxlib.
+
+  ``pip install`` does this when a compiler is found; otherwise run it once (``python -m
+  adamkit._kernels``). Until then ``ak.fused_adam``, ``ak.sparse_adam`` and
+  ``ak.apply_updates`` use their pure-JAX paths.
+
+  Args:
+    output: where to write the library (default: where it is looked for, see
+      ``ADAMKIT_CPU_KERNEL``).
+    compiler: the C++ compiler (default ``$CXX`` or ``c++``).
+    verbose: print the command.
+    sanitize: build with AddressSanitizer and UBSan (for tests; load it with libasan
+      preloaded).
+
+  Returns:
+    The library's path.
+
+  Raises:
+    RuntimeError: no compiler, or compiling failed.
+  """
+  import jax  # noqa: PLC0415 - only here: the build hook loads this module without jax
+
+  from adamkit._cpu import load  # noqa: PLC0415
+
+  out = pathlib.Path(output) if output else load.kernel_path()
+  cmd = compile_command(SOURCE, out, jax.ffi.include_dir(), compiler, sanitize=sanitize)
+  if verbose:
+    print(" ".join(cmd), file=sys.stderr)
+  try:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  except OSError as e:
+    raise RuntimeError(f"No C++ compiler ({cmd[0]!r}): {e}") from e
+  if done.returncode != 0:
+    raise RuntimeError(f"Compiling the adamkit CPU kernel failed:\n{done.stderr}")
+  load.forget(out)
+  return out

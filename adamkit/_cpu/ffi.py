@@ -1,0 +1,161 @@
+"""The kernels' calling convention: one function per XLA custom-call target.
+
+Each function checks every buffer it passes against that buffer's own shape and dtype
+(``ValueError`` naming the buffer), and the C++ handler checks again from the buffers it
+receives (an ``InvalidArgument`` error, never a read or write outside a buffer). Sizes are
+never taken from one buffer and applied to another.
+
+A kernel variant is a :class:`Variant` (static: it becomes the call's attributes) plus the
+nine float32 :func:`scalars`; the optimizer state is a tuple of buffers (``STATE_BUFFERS``
+of them: first and second moment). A new variant (AdamW's decoupled decay, AMSGrad's
+running maximum) adds a field to :class:`Variant` and, for AMSGrad, one state buffer on
+both sides of the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KINDS = {"hat": 0, "corrected": 1, "adamax": 2}  # the `Kind` enum of adam_kernels.cc
+STATE_BUFFERS = 2  # kStateBuffers of adam_kernels.cc: first and second moment
+ID_DTYPE = jnp.int32  # the kernels' row ids (and their padding id, ``num_rows``)
+
+
+class Variant(NamedTuple):
+  """The update rule a kernel call runs (static)."""
+  kind: str  # "hat" / "corrected" (Adam's two eps placements) or "adamax"
+  nesterov: bool = False
+
+
+def scalars(kind: str, *, b1, b2, eps, lr, wd, bc1, bc2) -> jax.Array:
+  """The kernels' nine float32 scalars ``b1, 1-b1, b2, 1-b2, eps, lr, wd, c1, c2``.
+
+  Computed in JAX with the reference's own arithmetic: XLA turns ``x / c`` into
+  ``x * (1 / c)`` for a scalar ``c``, so the kernels receive the reciprocals ``c1``, ``c2``
+  (Adam "hat": ``sqrt(bc2) / bc1``; "corrected": ``1 / bc1``, ``1 / bc2``; AdaMax: ``bc1``).
+  """
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  bc1, bc2 = f32(bc1), f32(bc2)
+  if kind == "hat":
+    c1, c2 = jnp.sqrt(bc2) / bc1, jnp.float32(1.0)
+  elif kind == "corrected":
+    c1, c2 = 1.0 / bc1, 1.0 / bc2
+  else:
+    c1, c2 = bc1, jnp.float32(1.0)
+  b1, b2 = f32(b1), f32(b2)
+  return jnp.stack([b1, 1.0 - b1, b2, 1.0 - b2, f32(eps), f32(lr), f32(wd), c1, c2])
+
+
+def _need(ok: bool, what: str) -> None:
+  if not ok:
+    raise ValueError(f"adamkit CPU kernel: {what}.")
+
+
+def _f32(name: str, x) -> None:
+  _need(x.dtype == jnp.float32, f"{name} must be float32, got {x.dtype}")
+
+
+def _check_state(state, size: int, offset: int) -> None:
+  _need(len(state) == STATE_BUFFERS, f"expected {STATE_BUFFERS} state buffers, got {len(state)}")
+  _need(offset >= 0, f"negative offset {offset}")
+  for name, buf in zip(("first moment", "second moment"), state):
+    _f32(name, buf)
+    _need(offset + size <= buf.size, f"the {name} ({buf.size} elements) is smaller than the "
+          f"{size} elements it must hold from offset {offset}")
+
+
+def dense_step(variant: Variant, s: jax.Array, params: Sequence[jax.Array],
+               grads: Sequence[jax.Array], state: tuple[jax.Array, ...], *, offset: int = 0,
+               decay: bool = False) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
+  """One call of the dense step on ``params`` and ``grads`` (float32 leaves) whose state
+  lies in the buffers of ``state`` back to back from element ``offset``. With ``decay``,
+  ``g + wd * p`` (L2) first. Returns the new params and state, aliased to the inputs."""
+  n = len(params)
+  _need(n == len(grads) and n > 0, "one gradient per param, at least one")
+  for p, g in zip(params, grads):
+    _f32("a param", p)
+    _f32("a gradient", g)
+    _need(p.shape == g.shape, f"gradient of shape {g.shape} for a param of shape {p.shape}")
+  _check_state(state, sum(p.size for p in params), offset)
+  outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*params, *state)]
+  aliases = {1 + i: i for i in range(n)}  # operand 0 is the scalars, then params, grads
+  aliases.update({1 + 2 * n + j: n + j for j in range(len(state))})
+  call = jax.ffi.ffi_call("adamkit_cpu_step", outs, input_output_aliases=aliases,
+                          vmap_method="sequential")
+  out = call(s, *params, *grads, *state, kind=np.int64(KINDS[variant.kind]),
+             nesterov=bool(variant.nesterov), decay=bool(decay), offset=np.int64(offset),
+             state=np.int64(len(state)))
+  return list(out[:n]), tuple(out[n:])
+
+
+def kernel_ids(ids: jax.Array) -> jax.Array:
+  """Row ids as the kernels take them: int32 (narrower integer ids widen losslessly)."""
+  _need(jnp.issubdtype(ids.dtype, jnp.integer) and jnp.iinfo(ids.dtype).bits <= 32
+        and (jnp.issubdtype(ids.dtype, jnp.signedinteger) or jnp.iinfo(ids.dtype).bits < 32),
+        f"row ids must fit int32, got {ids.dtype}")
+  _need(ids.ndim == 1, f"row ids must be 1-D, got shape {ids.shape}")
+  return ids.astype(ID_DTYPE)
+
+
+def _check_rows(ids, rows, num_rows: int, row_shape) -> int:
+  _need(0 <= num_rows <= np.iinfo(np.int32).max, f"{num_rows} rows do not fit int32 ids")
+  _f32("the gradient rows", rows)
+  _need(rows.ndim >= 1 and rows.shape[0] == ids.shape[0],
+        f"{ids.shape[0]} ids but gradient rows of shape {rows.shape}")
+  _need(tuple(rows.shape[1:]) == tuple(row_shape),
+        f"gradient rows of shape {tuple(rows.shape[1:])} for table rows of shape {tuple(row_shape)}")
+  return int(np.prod(row_shape, dtype=np.int64))
+
+
+def sparse_lazy(variant: Variant, s: jax.Array, ids: jax.Array, rows: jax.Array,
+                state: tuple[jax.Array, ...], table: jax.Array | None = None, *,
+                row_shape, num_rows: int, offset: int = 0, merge: bool = True):
+  """One call of the lazy row step on the rows ``ids`` of a ``num_rows``-row table of
+  rows ``row_shape``, whose state lies in the buffers of ``state`` from element ``offset``.
+
+  With ``table``: returns ``(table, state)``, the rows moved by ``-lr * u``. Without:
+  ``(ids, u, state)``, the distinct ids (``num_rows`` in unused slots) and the direction of
+  each. ``merge``: sum repeated ids first (otherwise each occurrence is its own row).
+  """
+  ids = kernel_ids(ids)
+  width = _check_rows(ids, rows, num_rows, row_shape)
+  _check_state(state, num_rows * width, offset)
+  k = ids.shape[0]
+  outs = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in state]
+  operands = [s, ids, rows, *state]
+  aliases = {3 + j: j for j in range(len(state))}
+  if table is not None:
+    _f32("the table", table)
+    _need(table.shape == (num_rows, *row_shape),
+          f"table of shape {table.shape}, expected {(num_rows, *row_shape)}")
+    aliases[3 + len(state)] = len(state)
+    outs.append(jax.ShapeDtypeStruct(table.shape, table.dtype))
+    operands.append(table)
+  else:
+    outs += [jax.ShapeDtypeStruct((k,), ID_DTYPE), jax.ShapeDtypeStruct(rows.shape, rows.dtype)]
+  call = jax.ffi.ffi_call("adamkit_cpu_sparse_lazy", outs, input_output_aliases=aliases,
+                          vmap_method="sequential")
+  out = call(*operands, kind=np.int64(KINDS[variant.kind]), nesterov=bool(variant.nesterov),
+             apply=table is not None, merge=bool(merge), offset=np.int64(offset),
+             num_rows=np.int64(num_rows))
+  new_state = tuple(out[:len(state)])
+  if table is not None:
+    return out[len(state)], new_state
+  return out[len(state)], out[len(state) + 1], new_state
+
+
+def row_add(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+  """``table[ids] += rows`` (repeated ids add up, ids outside the table skipped), one call,
+  in place when ``table`` is donated."""
+  ids = kernel_ids(ids)
+  _f32("the table", table)
+  _need(table.ndim >= 1, f"the table must have at least 1 dimension, got shape {table.shape}")
+  _check_rows(ids, rows, table.shape[0], table.shape[1:])
+  call = jax.ffi.ffi_call("adamkit_cpu_row_add", jax.ShapeDtypeStruct(table.shape, table.dtype),
+                          input_output_aliases={2: 0}, vmap_method="sequential")
+  return call(ids, rows, table)

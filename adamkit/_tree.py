@@ -1,0 +1,62 @@
+"""Tree helpers shared by every transform: leaf names, multi-output maps, zero moments.
+
+Dependency-free inside adamkit (jax only), so the lowest modules (``_sparse_types``,
+``_validate``) can use it without an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def is_tracer(x: Any) -> bool:
+  """Whether ``x`` is a JAX tracer (a value inside ``jit``/``grad``/``vmap``), whose value
+  cannot be inspected."""
+  return isinstance(x, jax.core.Tracer)
+
+
+def path_name(path) -> str:
+  """A dotted name for a pytree path: ``{'bn1': {'gamma': x}}`` -> ``'bn1.gamma'``."""
+  parts = []
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+    path = path[:-1]  # Flax NNX variables hold their array in `.value`: name the variable
+  for k in path:
+    if isinstance(k, jax.tree_util.DictKey):
+      parts.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      parts.append(k.name)
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      parts.append(str(k.idx))
+    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+      parts.append(str(k.key))
+    else:
+      parts.append(str(k))
+  return ".".join(parts)
+
+
+def leaf_names(tree: Any) -> list[str]:
+  """The :func:`path_name` of each leaf of ``tree``, in ``jax.tree.leaves`` order."""
+  return [path_name(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def tree_map_multi(fn, n_out: int, tree, *rest):
+  """``jax.tree.map`` for a ``fn`` returning an ``n_out``-tuple: returns ``n_out`` trees."""
+  leaves, treedef = jax.tree.flatten(tree)
+  others = [treedef.flatten_up_to(r) for r in rest]
+  outs = [fn(*args) for args in zip(leaves, *others)]
+  return tuple(treedef.unflatten([o[i] for o in outs]) for i in range(n_out))
+
+
+def zero_moments(params, mu_dtype=None, nu_dtype=None):
+  """``(mu, nu)``: two separate zero trees shaped like ``params``, in ``mu_dtype`` /
+  ``nu_dtype`` (default: each param's dtype).
+
+  ``zeros_like`` keeps each param's sharding and memory kind, so no moment lands on one
+  device first; two trees, because one buffer shared by mu and nu cannot be donated.
+  """
+  mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
+  nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
+  return mu, nu

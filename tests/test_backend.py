@@ -1,0 +1,294 @@
+"""The native backend layer: the kernel-or-XLA rule, the operations on either backend, the
+kernels' own buffer checks, shardings kept, and the library without its native backend."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import adamkit as ak
+from adamkit import _backend, _ops
+from adamkit._backend import NOT_CPU, ONE_CPU, SPREAD, TRACED_CPU, TRACED_NOT_CPU, TRACED_ONE_CPU
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------- the rule, no compiler needed
+
+WHERE = [ONE_CPU, SPREAD, NOT_CPU, TRACED_ONE_CPU, TRACED_CPU, TRACED_NOT_CPU]
+# (backend, where) -> kernel?, for a built kernel, arrays it takes, enough work.
+EXPECTED = {
+    ("auto", ONE_CPU): True, ("auto", TRACED_ONE_CPU): True,
+    ("kernel", ONE_CPU): True, ("kernel", TRACED_ONE_CPU): True, ("kernel", TRACED_CPU): True,
+    ("kernel", TRACED_NOT_CPU): True,
+}
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("backend", _backend.BACKENDS)
+def test_rule_table(backend, where):
+  assert _backend.decide(backend, built=True, fits=True, where=where) == EXPECTED.get(
+      (backend, where), False)
+  # Arrays the kernel cannot take, or no kernel under "auto": XLA, wherever they are.
+  assert not _backend.decide(backend, built=True, fits=False, where=where)
+  if backend != "kernel":
+    assert not _backend.decide(backend, built=False, fits=True, where=where)
+  # "auto" leaves small work to XLA; forcing ignores the size.
+  small = _backend.decide(backend, built=True, fits=True, where=where, big_enough=False)
+  assert small == (EXPECTED.get((backend, where), False) and backend == "kernel")
+
+
+def test_rule_forced_without_kernel_raises():
+  with pytest.raises(RuntimeError, match="not built"):
+    _backend.decide("kernel", built=False, fits=True, where=ONE_CPU)
+
+
+def test_placement_of_arrays():
+  devices = jax.devices()
+  one = jax.device_put(jnp.ones(8), devices[0])
+  spread = jax.device_put(jnp.ones(8), NamedSharding(jax.make_mesh((8,), ("x",)), P("x")))
+  assert _backend.placement(one) == ONE_CPU
+  assert _backend.placement(one, spread) == SPREAD
+  assert _backend.placement(np.ones(3)) == ONE_CPU
+  seen = []
+  jax.jit(lambda x: seen.append(_backend.placement(x)) or x)(one)
+  assert seen == [TRACED_CPU if len(devices) > 1 else TRACED_ONE_CPU]
+  if len(devices) >= 8:  # an Explicit mesh: the traced array's type carries its sharding
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    jax.jit(lambda x: seen.append(_backend.placement(x)) or x)(
+        jax.device_put(jnp.ones(8), NamedSharding(mesh, P("x"))))
+    assert seen[-1] == SPREAD
+
+
+def test_use_kernel_refuses_what_the_kernel_cannot_take(monkeypatch):
+  monkeypatch.setattr(_backend, "kernel_built", lambda: True)
+  f32, bf16 = jnp.ones(4), jnp.ones(4, jnp.bfloat16)
+  ids = jnp.array([1, 2], jnp.int32)
+  assert _backend.use_kernel("kernel", f32, ids=ids, num_rows=10)
+  assert _backend.use_kernel("kernel", f32, ids=ids.astype(jnp.int8), num_rows=10)
+  assert not _backend.use_kernel("kernel", bf16, ids=ids, num_rows=10)
+  assert not _backend.use_kernel("kernel", f32, ids=ids.astype(jnp.uint32), num_rows=10)
+  assert not _backend.use_kernel("kernel", f32, ids=ids, num_rows=2**31)
+  assert not _backend.use_kernel("kernel", f32, fits=False)
+
+
+def test_library_works_without_its_native_backend(tmp_path):
+  """Deleting adamkit/_cpu leaves a working pure-JAX library with the same numbers."""
+  shutil.copytree(ROOT / "adamkit", tmp_path / "adamkit",
+                  ignore=shutil.ignore_patterns("_cpu", "__pycache__"))
+  script = textwrap.dedent("""
+      import jax, jax.numpy as jnp, numpy as np, adamkit as ak
+      assert not (ak.cpu_kernel_available() or ak._backend.native_ffi)
+      p = {"emb": jnp.linspace(0, 1, 400).reshape(100, 4), "w": jnp.linspace(-1, 1, 40000)}
+      g = {"emb": ak.RowSparse(jnp.array([3, 3, 9]), jnp.ones((3, 4)), 100),
+           "w": jnp.cos(p["w"])}
+      opt = ak.fused_adam(0.1, weight_decay=0.01)
+      new, _ = jax.jit(opt.step)(p, opt.init(p), g)
+      tx = ak.sparse_adam(0.1)
+      u, _ = tx.update(g, tx.init(p), p)
+      via = ak.apply_updates(p, u)
+      try:
+        ak.build_cpu_kernel()
+      except RuntimeError as e:
+        assert "no native backend" in str(e)
+      np.savez(__import__("sys").argv[1], *jax.tree.leaves((new, via)))
+      """)
+  out = tmp_path / "out.npz"
+  env = dict(os.environ, PYTHONPATH=str(tmp_path))
+  done = subprocess.run([sys.executable, "-c", script, str(out)], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  p = {"emb": jnp.linspace(0, 1, 400).reshape(100, 4), "w": jnp.linspace(-1, 1, 40000)}
+  g = {"emb": ak.RowSparse(jnp.array([3, 3, 9]), jnp.ones((3, 4)), 100), "w": jnp.cos(p["w"])}
+  opt = ak.fused_adam(0.1, weight_decay=0.01, backend="xla")
+  new, _ = jax.jit(opt.step)(p, opt.init(p), g)
+  tx = ak.sparse_adam(0.1, backend="xla")
+  u, _ = tx.update(g, tx.init(p), p)
+  want = jax.tree.leaves((new, ak.apply_updates(p, u, backend="xla")))
+  got = np.load(out)
+  for i, w in enumerate(want):
+    np.testing.assert_array_equal(got[f"arr_{i}"], np.asarray(w))
+  assert not np.array_equal(got["arr_0"], np.asarray(p["emb"]))
+
+
+# ------------------------------------------------------- the operations, on either backend
+
+
+def hyper(kind="hat", nesterov=False, lr=0.1, wd=0.0):
+  f = jnp.float32
+  return _ops.Hyper(kind, nesterov, f(0.9), f(0.999), f(1e-8), f(0.1), f(0.001), lr=f(lr), wd=f(wd))
+
+
+@pytest.mark.parametrize("kind", ["hat", "corrected", "adamax"])
+def test_dense_step_same_numbers_on_either_backend(kernel, kind):
+  rng = np.random.default_rng(0)
+  ps = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(7, 3), (5,), (2, 2, 2)]]
+  gs = [jnp.asarray(rng.normal(size=p.shape), jnp.float32) for p in ps]
+  m = jnp.asarray(rng.normal(size=44) ** 2, jnp.float32)
+  v = jnp.asarray(rng.normal(size=44) ** 2, jnp.float32)
+  at = [3, 24, 29]  # leaves back to back from offset 3, in a buffer with room around them
+  out = {}
+  for backend in ("kernel", "xla"):
+    fn = lambda ps, gs, m, v, b=backend: _ops.dense_step(hyper(kind, wd=0.01), ps, gs, m, v,
+                                                         m_at=at, v_at=at, decay=True, backend=b)
+    out[backend] = jax.jit(fn)(ps, gs, m, v)
+    text = jax.jit(fn).lower(ps, gs, m, v).as_text()
+    assert ("adamkit_cpu_step" in text) == (backend == "kernel")
+  for a, b in zip(jax.tree.leaves(out["kernel"]), jax.tree.leaves(out["xla"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+  new_m = np.asarray(out["kernel"][1])
+  np.testing.assert_array_equal(new_m[:3], np.asarray(m)[:3])  # outside the leaves: untouched
+  np.testing.assert_array_equal(new_m[37:], np.asarray(m)[37:])
+  assert not np.array_equal(new_m[3:37], np.asarray(m)[3:37])
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_row_ops_same_numbers_on_either_backend(kernel, merge):
+  rng = np.random.default_rng(1)
+  table = jnp.asarray(rng.normal(size=(50, 3)), jnp.float32)
+  m, v = jnp.zeros_like(table), jnp.ones_like(table)
+  ids = jnp.array([4, 9, 4, -1, 50, 17] if merge else [4, 9, 17], jnp.int32)
+  g = ak.RowSparse.tree_unflatten(50, (ids, jnp.asarray(rng.normal(size=(len(ids), 3)), jnp.float32)))
+  out = {}
+  for backend in ("kernel", "xla"):
+    step = _ops.lazy_row_step(hyper(), table, g, m, v, merge=merge, backend=backend)
+    ids_u, u, m2, v2 = _ops.lazy_rows(hyper(), g, m, v, table_shape=table.shape, merge=merge,
+                                      backend=backend)
+    added = _ops.row_add(table, g, backend=backend)
+    out[backend] = (step, m2, v2, added)
+  for a, b in zip(jax.tree.leaves(out["kernel"]), jax.tree.leaves(out["xla"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+  moved = np.flatnonzero(np.any(np.asarray(out["kernel"][0][0]) != np.asarray(table), axis=1))
+  assert moved.tolist() == [4, 9, 17]
+
+
+def test_ops_refuse_mismatched_buffers():
+  h = hyper()
+  table = jnp.zeros((1000, 4))
+  g = ak.RowSparse(jnp.array([1, 2]), jnp.ones((2, 4)), 1000)
+  with pytest.raises(ValueError, match="first moment"):
+    _ops.lazy_row_step(h, table, g, jnp.zeros((10, 4)), jnp.zeros((1000, 4)), backend="xla")
+  with pytest.raises(ValueError, match="one row of values per id"):
+    _ops.lazy_row_step(h, table, g.with_values(jnp.ones((1, 4))), table, table, backend="xla")
+  with pytest.raises(ValueError, match="cannot hold"):
+    _ops.dense_step(h, [jnp.ones(8)], [jnp.ones(8)], jnp.zeros(10), jnp.zeros(10), m_at=[4],
+                    v_at=[0], backend="xla")
+  with pytest.raises(ValueError, match="does not fit"):
+    _ops.row_add(table, ak.RowSparse(jnp.array([1]), jnp.ones((1, 3)), 1000), backend="xla")
+
+
+# ---------------------------------------------------- the kernels check their own buffers
+
+
+def raw_call(target, outs, *args, **attrs):
+  return jax.ffi.ffi_call(target, outs)(*args, **attrs)
+
+
+def test_kernels_refuse_mismatched_sizes_themselves(kernel):
+  """Past the Python checks, each handler checks every buffer from its own shape."""
+  f32 = lambda *s: jnp.zeros(s, jnp.float32)
+  sd = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  s9 = f32(9)
+  p, small, big = f32(100), f32(10), f32(100)
+  with pytest.raises(Exception, match="smaller than its params"):  # first moment too small
+    raw_call("adamkit_cpu_step", [sd(p), sd(small), sd(big)], s9, p, p, small, big,
+             kind=np.int64(0), nesterov=False, decay=False, offset=np.int64(0), state=np.int64(2))
+  with pytest.raises(Exception, match="smaller than its params"):  # second moment too small
+    raw_call("adamkit_cpu_step", [sd(p), sd(big), sd(small)], s9, p, p, big, small,
+             kind=np.int64(0), nesterov=False, decay=False, offset=np.int64(0), state=np.int64(2))
+  ids = jnp.array([1, 2, 3, 4], jnp.int32)
+  table = f32(100, 8)
+  with pytest.raises(Exception, match="gradient rows do not match ids"):  # 2 rows for 4 ids
+    raw_call("adamkit_cpu_sparse_lazy", [sd(table)] * 3, s9, ids, f32(2, 16), table, table,
+             table, kind=np.int64(0), nesterov=False, apply=True, merge=True,
+             offset=np.int64(0), num_rows=np.int64(100))
+  with pytest.raises(Exception, match="first moment is smaller"):
+    raw_call("adamkit_cpu_sparse_lazy", [sd(f32(10, 8)), sd(table), sd(table)], s9, ids,
+             f32(4, 8), f32(10, 8), table, table, kind=np.int64(0), nesterov=False, apply=True,
+             merge=True, offset=np.int64(0), num_rows=np.int64(100))
+  with pytest.raises(Exception, match="rows do not match"):
+    raw_call("adamkit_cpu_row_add", sd(table), ids, f32(4, 3), table)
+
+
+def test_ffi_layer_checks_before_calling(kernel):
+  from adamkit._cpu import ffi
+  s = ffi.scalars("hat", b1=0.9, b2=0.999, eps=1e-8, lr=0.1, wd=0.0, bc1=0.1, bc2=0.001)
+  with pytest.raises(ValueError, match="first moment"):
+    ffi.dense_step(ffi.Variant("hat"), s, [jnp.ones(100)], [jnp.ones(100)],
+                   (jnp.zeros(10), jnp.zeros(100)))
+  with pytest.raises(ValueError, match="4 ids but gradient rows"):
+    ffi.sparse_lazy(ffi.Variant("hat"), s, jnp.arange(4), jnp.ones((2, 8)),
+                    (jnp.zeros((100, 8)),) * 2, row_shape=(8,), num_rows=100)
+  with pytest.raises(ValueError, match="int32"):
+    ffi.kernel_ids(jnp.arange(3, dtype=jnp.uint32))
+
+
+# ------------------------------------------------------------------ shardings are kept
+
+
+@pytest.mark.parametrize("multi_tensor,axis_type", [(False, "Explicit"), (False, "Auto"),
+                                                    (True, "Auto")])
+def test_fused_step_keeps_shardings_on_8_devices(multi_tensor, axis_type):
+  """Params sharded P("data", "model") stay so step after step (the kernel has no sharding
+  rule, so such arrays take XLA's step); the numbers equal a one-device run. Multi-tensor
+  moments are flat buffers: XLA shards them (not replicated) and they keep that sharding."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+  sharding = NamedSharding(mesh, P("data", "model"))
+  host = {"w": np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32),
+          "b": np.full((8, 4), 0.5, np.float32)}
+  opt = ak.fused_adam(0.1, weight_decay=0.01, multi_tensor=multi_tensor)
+  step = jax.jit(opt.step, donate_argnums=(0, 1))
+  grads_of = lambda p: jax.tree.map(lambda x: jnp.sin(3.0 * x), p)
+
+  params = jax.device_put(host, sharding)
+  state = opt.init(params)
+  moment_shardings = None
+  for _ in range(3):
+    params, state = step(params, state, grads_of(params))
+    for leaf in jax.tree.leaves(params):
+      assert leaf.sharding.is_equivalent_to(sharding, 2)
+    moments = jax.tree.leaves((state.mu, state.nu))
+    if not multi_tensor:
+      assert all(m.sharding.is_equivalent_to(sharding, 2) for m in moments)
+    assert all(not m.sharding.is_fully_replicated for m in moments)
+    now = [m.sharding for m in moments]
+    assert moment_shardings in (None, now)
+    moment_shardings = now
+
+  one = jax.device_put(host, jax.devices()[0])
+  one_state = opt.init(one)
+  for _ in range(3):
+    one, one_state = jax.jit(opt.step)(one, one_state, grads_of(one))
+  for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((one, one_state))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+
+
+def test_concrete_sharded_arrays_never_take_the_kernel(kernel):
+  """Even forced, a dense step on arrays spread over devices stays on XLA (no replication)."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  p = jax.device_put(jnp.ones(64), sharding)
+  new, m, v = _ops.dense_step(hyper(), [p], [p], jnp.zeros_like(p), jnp.zeros_like(p),
+                              backend="kernel")
+  assert new[0].sharding.is_equivalent_to(sharding, 1) and m.sharding.is_equivalent_to(sharding, 1)
+
+
+def test_multi_tensor_refuses_explicit_sharded_params():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params = {"w": jax.device_put(jnp.ones((16, 2)), NamedSharding(mesh, P("x")))}
+  with pytest.raises(ValueError, match="'w'.*multi_tensor=False"):
+    ak.fused_adam(multi_tensor=True).init(params)
