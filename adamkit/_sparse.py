@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from adamkit import _adam, _groups, _kernels, _masks, _schedules, _validate
+from adamkit import _adam, _groups, _kernels, _masks, _row_sharded, _schedules, _validate
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import (
     RowSparse,
@@ -46,6 +46,13 @@ def lazy_rows(g: RowSparse, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov, 
     m, v, ids, u = _kernels.sparse_lazy_call(eps_mode, nesterov, merge, scalars, g.indices,
                                              g.values, m, v, num_rows=g.num_rows)
     return ids, u, m, v
+  # issue 12: a table row-sharded over several devices updates each row on its own shard
+  # (XLA's partitioner would make every device process every id). Moves into the backend
+  # layer at merge.
+  layout = _row_sharded.same_layout(m, v)
+  if layout is not None:
+    return _row_sharded.lazy_rows(g, m, v, layout, merge=merge, b1=b1, b2=b2, eps=eps,
+                                  bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
   if merge:
     g = g.coalesce()
   ids = safe_ids(g.indices, g.num_rows)
@@ -462,6 +469,9 @@ def apply_updates(params: optax.Params, updates: optax.Updates, *,
       if _kernels.use_sparse_kernel(backend, p, u.values, ids=u.indices, num_rows=u.num_rows):
         return _kernels.row_add_call(p, u.indices, u.values)
       ids = safe_ids(u.indices, u.num_rows)
+      layout = _row_sharded.row_layout(p)  # issue 12: each shard adds its own rows
+      if layout is not None:
+        return _row_sharded.scatter_add(p, ids, u.values, layout)
       return scatter_rows(p, ids, u.values, add=True)
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
