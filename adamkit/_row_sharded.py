@@ -73,6 +73,14 @@ def _rows_spec(layout: RowLayout, ndim: int) -> PartitionSpec:
   return PartitionSpec(layout.axes, *([None] * (ndim - 1)))
 
 
+def _replicated(x: jax.Array, layout: RowLayout) -> jax.Array:
+  """``x`` replicated over the layout's mesh where its sharding is part of its type
+  (Explicit axes); elsewhere ``shard_map``'s ``in_specs`` replicate it."""
+  if _explicit_sharding(x) is None:
+    return x
+  return jax.sharding.reshard(x, NamedSharding(layout.mesh, PartitionSpec()))
+
+
 def _sorted_rows(g: RowSparse, merge: bool) -> tuple[jax.Array, jax.Array]:
   """Distinct (``merge``) or given ids in ascending order with their rows; bad ids, mapped
   to ``num_rows``, sort last."""
@@ -89,6 +97,9 @@ def lazy_rows(g: RowSparse, m: jax.Array, v: jax.Array, layout: RowLayout, *, me
   """:func:`adamkit._sparse.lazy_rows` for row-sharded ``m, v``: each device updates the
   rows it owns. Returns ``(ids, u_rows, m, v)``: sorted ids (padding ``num_rows``) and
   their updates, replicated; ``m, v`` keep their sharding."""
+  # Every device sees every id: a batch sharded over the mesh is all-gathered here.
+  g = RowSparse.tree_unflatten(g.num_rows, (_replicated(g.indices, layout),
+                                            _replicated(g.values, layout)))
   ids, values = _sorted_rows(g, merge)
   k = ids.shape[0]
   cap = max(1, min(k, -(-2 * k // layout.num_shards)))
@@ -144,6 +155,7 @@ def scatter_add(table: jax.Array, ids: jax.Array, rows: jax.Array, layout: RowLa
     local = jnp.where((local >= 0) & (local < n_local), local, n_local)
     return table.at[local].add(rows.astype(table.dtype), mode="drop")
 
+  ids, rows = _replicated(ids, layout), _replicated(rows, layout)
   spec = _rows_spec(layout, table.ndim)
   rep = PartitionSpec()
   return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(spec, rep, rep),
