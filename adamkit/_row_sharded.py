@@ -102,8 +102,10 @@ def lazy_rows(g: RowSparse, m: jax.Array, v: jax.Array, layout: RowLayout, *, me
                                             _replicated(g.values, layout)))
   ids, values = _sorted_rows(g, merge)
   k = ids.shape[0]
-  cap = max(1, min(k, -(-2 * k // layout.num_shards)))
   dt = compute_dtype(values)
+  if k == 0:
+    return ids, values.astype(dt), m, v
+  cap = max(1, min(k, -(-2 * k // layout.num_shards)))
   axes = layout.axes if isinstance(layout.axes, tuple) else (layout.axes,)
 
   def per_device(ids, values, m, v, b1, b2, eps, bc1, bc2):

@@ -89,6 +89,17 @@ def test_two_axis_row_split_and_fused_op():
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
+def test_empty_gradient():
+  mesh = _mesh()
+  rows = NamedSharding(mesh, P("rows", None))
+  tx = ak.sparse_adam(0.1, backend="xla")
+  params = {"emb": jax.device_put(np.ones((N, DIM), np.float32), rows)}
+  grads = {"emb": ak.RowSparse(np.zeros((0,), np.int32), np.zeros((0, DIM), np.float32), N)}
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  new = jax.jit(ak.apply_updates)(params, updates)
+  np.testing.assert_array_equal(np.asarray(new["emb"]), 1.0)
+
+
 def test_no_table_sized_temporaries():
   """The compiled step holds no (N, dim) array beyond the donated table and moments: its
   scratch per device is far below one shard of the table."""
