@@ -51,7 +51,7 @@ def _memory_kinds(devices) -> set[str]:
   """
   kinds = None
   for d in devices:
-    if d.process_index != jax.process_index():
+    if getattr(d, "process_index", jax.process_index()) != jax.process_index():
       continue
     try:
       mine = {m.kind for m in d.addressable_memories()}
