@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from adamkit._adam import ScaleByAdamState, ScaleByAmsgradState
 from adamkit._adamax import ScaleByAdamaxState
@@ -57,6 +58,16 @@ def _named_leaves(state: Any) -> list[tuple[str, Any]]:
   return out
 
 
+def _to_numpy(leaf: Any) -> np.ndarray:
+  """The whole of ``leaf`` as a NumPy array; a ``jax.Array`` spread over several processes
+  is all-gathered first (a collective: every process must get here)."""
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    if leaf.sharding.memory_kind not in (None, "device"):  # gather in device memory
+      leaf = jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+  return np.asarray(leaf)
+
+
 def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   """A flat dict of named NumPy arrays for ``state``: MindSpore/Paddle-style names.
 
@@ -66,6 +77,12 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   the step count is ``"step"`` (``"<group>.step"`` with parameter groups). Every other
   state leaf (schedule counters, ...) is kept under ``"state.<path>"`` so that
   :func:`load_state_dict` restores the whole state exactly.
+
+  Under ``jax.distributed`` a state leaf sharded over several processes is gathered whole
+  into every process (``multihost_utils.process_allgather``): a collective, so every
+  process must call ``state_dict`` at the same point, and each holds the full state in
+  host memory. For large states save the sharded state with orbax instead, which writes
+  each process's shards only.
 
   Args:
     state: an optimizer state from ``tx.init`` / ``tx.update``.
@@ -87,7 +104,7 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   dupes = {n for n in names if names.count(n) > 1}
   if dupes:
     raise ValueError(f"state_dict: names {sorted(dupes)} are ambiguous in this state.")
-  out = {name: np.asarray(leaf) for name, leaf in named}
+  out = {name: _to_numpy(leaf) for name, leaf in named}
   if params is not None:
     shapes = {path_name(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     for name, arr in out.items():
@@ -103,7 +120,9 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
 
   Each array is cast to the dtype of the matching leaf of ``like_state`` and, where that
   leaf is a ``jax.Array``, placed with the same sharding (device and memory kind: an
-  offloaded state comes back in host memory).
+  offloaded state comes back in host memory). Under ``jax.distributed`` each process
+  places only the shards its own devices hold (no collective); every process passes the
+  same whole ``flat``, e.g. from :func:`state_dict`.
 
   Args:
     flat: the dict from :func:`state_dict` (NumPy or JAX arrays).
@@ -128,7 +147,10 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
     if value.shape != np.shape(like):
       raise ValueError(f"load_state_dict: '{name}' has shape {value.shape}, expected {np.shape(like)}.")
     value = value.astype(like.dtype)
-    if isinstance(like, jax.Array):
+    if isinstance(like, jax.Array) and not like.is_fully_addressable:
+      leaves.append(jax.make_array_from_callback(value.shape, like.sharding,
+                                                 lambda index, v=value: v[index]))
+    elif isinstance(like, jax.Array):
       leaves.append(jax.device_put(value, like.sharding))
     else:
       leaves.append(jnp.asarray(value))

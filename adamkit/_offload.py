@@ -45,8 +45,15 @@ _HOST_KINDS = ("pinned_host",)
 
 
 def _memory_kinds(devices) -> set[str]:
+  """The memory kinds every device of ``devices`` that this process drives offers.
+
+  Under ``jax.distributed`` the other processes' devices are not addressable here; each
+  process checks its own (all run the same backend).
+  """
   kinds = None
   for d in devices:
+    if getattr(d, "process_index", jax.process_index()) != jax.process_index():
+      continue
     try:
       mine = {m.kind for m in d.addressable_memories()}
     except Exception:  # backends without the memories API
@@ -62,13 +69,16 @@ def _probe(platform: str, mode: str) -> str | None:
 
   This catches, before any state is built, backends that cannot compile host computation
   and JAX versions whose ``jit`` returns arrays placed in host memory inside the step in
-  device memory (which would silently keep the state on the device).
+  device memory (which would silently keep the state on the device). The probe runs on
+  one of this process's own devices: under ``jax.distributed`` every process probes for
+  itself, with no collective (``jax.devices()[0]`` would be process 0's device, which the
+  others cannot fetch from).
   """
   # Runs eagerly even when first reached while tracing (an init under jit): concrete
   # arrays and an AOT-compiled call never join the trace.
   try:
     with jax.ensure_compile_time_eval():
-      dev = jax.devices(platform)[0]
+      dev = jax.local_devices(backend=platform)[0]
       x = jax.device_put(np.zeros((2,), np.float32),
                          SingleDeviceSharding(dev, memory_kind="pinned_host"))
       if mode == "compute":

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from adamkit import _backend
+from adamkit import _backend, _row_sharded
 from adamkit._adam import adam_direction
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
@@ -177,6 +177,10 @@ def lazy_rows(h: Hyper, g: RowSparse, m, v, *, table_shape: tuple, m_at: int | N
         variant, s, g.indices, g.values, (m, v), row_shape=table_shape[1:],
         num_rows=g.num_rows, offset=m_at or 0, merge=merge)
     return ids, u, m, v
+  layout = _row_layout(h, m, v, m_at, v_at)
+  if layout is not None:  # a row-sharded table: each shard updates the rows it owns
+    return _row_sharded.lazy_rows(g, m, v, layout, merge=merge, b1=h.b1, b2=h.b2, eps=h.eps,
+                                  bc1=h.bc1, bc2=h.bc2, eps_mode=h.kind, nesterov=h.nesterov)
   ids, u, m_rows, v_rows, m_t, v_t = _lazy_rows_xla(h, g, m, v, table_shape, m_at, v_at, merge)
   return ids, u, put(m, m_at, scatter_rows(m_t, ids, m_rows)), put(v, v_at, scatter_rows(v_t, ids, v_rows))
 
@@ -194,7 +198,7 @@ def lazy_row_step(h: Hyper, p, g: RowSparse, m, v, *, m_at: int | None = None,
     return p, m, v
   ids, u, m, v = lazy_rows(h, g, m, v, table_shape=p.shape, m_at=m_at, v_at=v_at, merge=merge,
                            backend="xla")
-  return scatter_rows(p, ids, _lr_step(h.lr, u.astype(g.dtype)), add=True), m, v
+  return _add_rows(p, ids, _lr_step(h.lr, u.astype(g.dtype))), m, v
 
 
 def row_add(p, u: RowSparse, *, backend: str = "auto"):
@@ -202,7 +206,23 @@ def row_add(p, u: RowSparse, *, backend: str = "auto"):
   check_rows(u, p.shape, what="update")
   if _backend.use_kernel(backend, p, u.values, ids=u.indices, num_rows=u.num_rows):
     return _backend.native_ffi.row_add(p, u.indices, u.values)
-  return scatter_rows(p, safe_ids(u.indices, u.num_rows), u.values, add=True)
+  return _add_rows(p, safe_ids(u.indices, u.num_rows), u.values)
+
+
+def _add_rows(p, ids, rows):
+  """XLA's ``p[ids] += rows`` for safe ids; on a row-sharded table each shard adds its own."""
+  layout = _row_sharded.row_layout(p)
+  if layout is not None:
+    return _row_sharded.scatter_add(p, ids, rows, layout)
+  return scatter_rows(p, ids, rows, add=True)
+
+
+def _row_layout(h: Hyper, m, v, m_at, v_at):
+  """The row split of per-leaf moments sharded over several devices (see
+  :mod:`adamkit._row_sharded`), or ``None``: XLA's own partitioning then."""
+  if m_at is not None or v_at is not None or h.kind == "adamax":
+    return None
+  return _row_sharded.same_layout(m, v)
 
 
 def _check_row_step(g, m, v, table_shape, m_at, v_at) -> None:

@@ -1,0 +1,164 @@
+"""Lazy Adam on an embedding table row-sharded over D devices: each shard updates its rows.
+
+A table of ``N`` rows whose sharding splits the rows over ``D`` devices (spec
+``P(axes, None, ...)``, ``N`` divisible by ``D``) holds rows ``[d N/D, (d+1) N/D)`` on
+device ``d``. Left to XLA's partitioner, a gather from and a scatter into such a table
+make every device process all ``k`` ids of the step (masking the rows it does not own).
+Here, inside ``shard_map``:
+
+1. the ``k`` ids (merged and sorted once, as the one-device path does) and their gradient
+   rows reach every device (replicated; an all-gather of ``k (4 + 4 dim)`` bytes when the
+   batch arrives sharded);
+2. device ``d`` finds its rows, a contiguous run of the sorted ids (two binary searches),
+   and runs Adam on them only, ``cap = 2 k / D`` rows at a time (more rounds when one
+   shard owns more than ``cap`` rows; the numbers never depend on ``cap``), gathering and
+   scattering its own moments;
+3. the rows' updates go back to their slot of one ``(k, dim)`` array, zero elsewhere, and
+   a ``psum`` over the table's axes hands the whole array to every device (an all-reduce
+   of ``4 k dim`` bytes: each slot is written by one device, so the sum is exact);
+4. :func:`scatter_add` adds them to the table, each device keeping the ids in its row range
+   (no communication).
+
+Per step and device: about ``k / D`` rows of the table and moments read and written, no
+``(N, dim)`` array. The sharding is known at trace time on meshes with Explicit axes
+(``jax.typeof``) and for concrete arrays; under a jit over Auto axes it is not, and
+adamkit keeps XLA's partitioning (same numbers, every device sees every id).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from adamkit import _adam
+from adamkit._dtypes import compute_dtype
+from adamkit._sparse_types import RowSparse, _explicit_sharding, safe_ids
+
+
+class RowLayout(NamedTuple):
+  """How a table's rows are split: over ``axes`` of ``mesh``, ``num_shards`` blocks."""
+  mesh: Any
+  axes: Any  # the first entry of the table's PartitionSpec: a name or a tuple of names
+  num_shards: int
+
+
+def row_layout(x: Any) -> RowLayout | None:
+  """The row split of ``x`` when it is known here and spans several devices, else ``None``."""
+  sharding = _explicit_sharding(x)
+  if sharding is None and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    sharding = x.sharding
+  if not isinstance(sharding, NamedSharding) or x.ndim < 1:
+    return None
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  if spec[0] is None or any(s is not None for s in spec[1:]):
+    return None
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  num_shards = math.prod(sharding.mesh.shape[a] for a in axes)
+  if num_shards < 2 or x.shape[0] % num_shards:
+    return None
+  return RowLayout(sharding.mesh, spec[0], num_shards)
+
+
+def same_layout(*xs: Any) -> RowLayout | None:
+  """The common row layout of ``xs`` (a table and its moments), or ``None``."""
+  layouts = [row_layout(x) for x in xs]
+  return layouts[0] if layouts[0] is not None and all(t == layouts[0] for t in layouts) else None
+
+
+def _rows_spec(layout: RowLayout, ndim: int) -> PartitionSpec:
+  return PartitionSpec(layout.axes, *([None] * (ndim - 1)))
+
+
+def _replicated(x: jax.Array, layout: RowLayout) -> jax.Array:
+  """``x`` replicated over the layout's mesh where its sharding is part of its type
+  (Explicit axes); elsewhere ``shard_map``'s ``in_specs`` replicate it."""
+  if _explicit_sharding(x) is None:
+    return x
+  return jax.sharding.reshard(x, NamedSharding(layout.mesh, PartitionSpec()))
+
+
+def _sorted_rows(g: RowSparse, merge: bool) -> tuple[jax.Array, jax.Array]:
+  """Distinct (``merge``) or given ids in ascending order with their rows; bad ids, mapped
+  to ``num_rows``, sort last."""
+  if merge:
+    g = g.coalesce()  # sorted distinct ids first, padding (num_rows) last
+    return g.indices, g.values
+  ids = safe_ids(g.indices, g.num_rows)
+  order = jnp.argsort(ids)
+  return ids[order], g.values[order]
+
+
+def lazy_rows(g: RowSparse, m: jax.Array, v: jax.Array, layout: RowLayout, *, merge: bool,
+              b1, b2, eps, bc1, bc2, eps_mode: str, nesterov: bool):
+  """:func:`adamkit._ops.lazy_rows` for row-sharded ``m, v``: each device updates the
+  rows it owns. Returns ``(ids, u_rows, m, v)``: sorted ids (padding ``num_rows``) and
+  their updates, replicated; ``m, v`` keep their sharding."""
+  # Every device sees every id: a batch sharded over the mesh is all-gathered here.
+  g = RowSparse.tree_unflatten(g.num_rows, (_replicated(g.indices, layout),
+                                            _replicated(g.values, layout)))
+  ids, values = _sorted_rows(g, merge)
+  k = ids.shape[0]
+  dt = compute_dtype(values)
+  if k == 0:
+    return ids, values.astype(dt), m, v
+  cap = max(1, min(k, -(-2 * k // layout.num_shards)))
+  axes = layout.axes if isinstance(layout.axes, tuple) else (layout.axes,)
+
+  def per_device(ids, values, m, v, b1, b2, eps, bc1, bc2):
+    n_local = m.shape[0]
+    start = jax.lax.axis_index(axes) * n_local
+    # This device's rows: the run [lo, hi) of the sorted ids.
+    lo = jnp.searchsorted(ids, start.astype(ids.dtype))
+    hi = jnp.searchsorted(ids, (start + n_local).astype(ids.dtype))
+
+    def one_round(r, carry):
+      u, m, v = carry
+      first = lo + r * cap
+      at = jnp.minimum(first, k - cap)  # where dynamic_slice would clamp it anyway
+      pos = at + jnp.arange(cap)
+      mine = (pos >= first) & (pos < hi)
+      local = jnp.where(mine, jax.lax.dynamic_slice_in_dim(ids, at, cap) - start, n_local)
+      g_rows = jax.lax.dynamic_slice_in_dim(values, at, cap).astype(dt)
+      u_rows, m_rows, v_rows = _adam.adam_direction(
+          g_rows, m.at[local].get(mode="fill", fill_value=0).astype(dt),
+          v.at[local].get(mode="fill", fill_value=0).astype(dt),
+          b1=b1, b2=b2, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
+      m = m.at[local].set(m_rows.astype(m.dtype), mode="drop")
+      v = v.at[local].set(v_rows.astype(v.dtype), mode="drop")
+      u = u.at[jnp.where(mine, pos, k)].set(u_rows, mode="drop")
+      return u, m, v
+
+    # Varying over the table's axes (each device fills its own slots), as the loop needs.
+    u = jax.lax.pcast(jnp.zeros(values.shape, dt), axes, to="varying")
+    # Usually one round; more only when this shard owns more than cap rows. A loop (not a
+    # cond between sizes) keeps m and v updated in place.
+    u, m, v = jax.lax.fori_loop(0, (hi - lo + cap - 1) // cap, one_round, (u, m, v))
+    return jax.lax.psum(u, axes), m, v  # each slot written by one device: exact
+
+  rows = _rows_spec(layout, m.ndim)
+  rep = PartitionSpec()
+  step = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(rep, rep, rows, rows) + (rep,) * 5,
+                       out_specs=(rep, rows, rows))
+  u, m, v = step(ids, values, m, v, b1, b2, eps, bc1, bc2)
+  return ids, u, m, v
+
+
+def scatter_add(table: jax.Array, ids: jax.Array, rows: jax.Array, layout: RowLayout):
+  """``table[ids] += rows`` (safe ids: ``num_rows`` is dropped), each device adding the
+  ids in its own row range to its block (no communication)."""
+
+  def per_device(table, ids, rows):
+    n_local = table.shape[0]
+    local = ids - jax.lax.axis_index(layout.axes) * n_local
+    local = jnp.where((local >= 0) & (local < n_local), local, n_local)
+    return table.at[local].add(rows.astype(table.dtype), mode="drop")
+
+  ids, rows = _replicated(ids, layout), _replicated(rows, layout)
+  spec = _rows_spec(layout, table.ndim)
+  rep = PartitionSpec()
+  return jax.shard_map(per_device, mesh=layout.mesh, in_specs=(spec, rep, rep),
+                       out_specs=spec)(table, ids, rows)
