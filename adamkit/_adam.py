@@ -33,8 +33,8 @@ def zero_moments(params, mu_dtype=None, nu_dtype=None):
   ``zeros_like`` keeps each param's sharding and memory kind, so no moment lands on one
   device first; two trees, because one buffer shared by mu and nu cannot be donated.
   """
-  mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
-  nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
+  mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params)
+  nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype), params)
   return mu, nu
 
 
@@ -44,16 +44,26 @@ def bias_corrections(b1, b2, count):
   return (1.0 - jnp.asarray(b1, jnp.float32) ** t, 1.0 - jnp.asarray(b2, jnp.float32) ** t)
 
 
-def check_adam_hyper(b1, b2, eps) -> None:
-  _validate.check_open_unit("b1", b1)
-  _validate.check_open_unit("b2", b2)
-  _validate.check_positive("eps", eps)
+def check_adam_hyper(b1, b2, eps, mu_dtype=None, nu_dtype=None) -> None:
+  _validate.check_beta("b1", b1)
+  _validate.check_beta("b2", b2)
+  _validate.check_eps("eps", eps)
+  _validate.check_dtype("mu_dtype", mu_dtype)
+  _validate.check_dtype("nu_dtype", nu_dtype)
+
+
+def abs_sq(g):
+  """:math:`|g|^2`, real for a complex ``g`` (as optax), in ``g``'s dtype."""
+  return (g * jnp.conj(g)).real.astype(g.dtype) if jnp.iscomplexobj(g) else g * g
 
 
 def adam_direction(g, m, v, *, b1, b2, eps, bc1, bc2, eps_mode, nesterov):
-  """One leaf of the Adam step, in the docstring's order. Returns ``(u, m, v)`` in f32."""
+  """One leaf of the Adam step, in the docstring's order. Returns ``(u, m, v)`` in f32
+  (complex64/128 for complex leaves, with a real-valued ``v``)."""
+  if jnp.iscomplexobj(g):  # strict promotion: the float32 scalars join the complex dtype
+    b1, b2, eps, bc1, bc2 = (jnp.asarray(x, g.dtype) for x in (b1, b2, eps, bc1, bc2))
   m = b1 * m + (1.0 - b1) * g
-  v = b2 * v + (1.0 - b2) * (g * g)
+  v = b2 * v + (1.0 - b2) * abs_sq(g)
   m_num = b1 * m + (1.0 - b1) * g if nesterov else m
   if eps_mode == "hat":
     u = (jnp.sqrt(bc2) / bc1) * m_num / (jnp.sqrt(v) + eps)
@@ -99,15 +109,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     :math:`\beta_2 = 0.999`); for representable betas they agree to float32 rounding.
 
   Args:
-    b1: decay of the first moment, in (0, 1).
-    b2: decay of the second moment, in (0, 1).
-    eps: added to the denominator, > 0.
+    b1: decay of the first moment, in [0, 1).
+    b2: decay of the second moment, in [0, 1).
+    eps: added to the denominator, at least float32's smallest normal number (1.18e-38).
     eps_mode: ``"hat"`` or ``"corrected"`` (see above).
     nesterov: use the Nesterov numerator.
     mu_dtype: dtype of the first moment (e.g. ``jnp.bfloat16`` to halve its memory);
       default: the params' dtype. The arithmetic is always float32 or wider.
     nu_dtype: dtype of the second moment, likewise (``jnp.bfloat16`` keeps its 8-bit
       exponent, so :math:`g^2` neither under- nor overflows as it would in float16).
+
+  Complex parameters are trained as optax does: :math:`g^2` is :math:`|g|^2`.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleByAdamState`.
@@ -124,14 +136,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
     Reproduces MindSpore 2.10 ``nn.Adam`` and PaddlePaddle 3.3.1 ``optimizer.Adam``.
   """
-  check_adam_hyper(b1, b2, eps)
+  check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("nesterov", nesterov)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 
   def init_fn(params):
-    _validate.check_float_params(params)
+    _validate.check_float_params(params, complex_ok=True)
     mu, nu = zero_moments(params, mu_dtype, nu_dtype)
     return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
@@ -211,7 +223,7 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     >>> optax.apply_updates(params, updates)["w"]
     Array([ 0.9, -1.9], dtype=float32)
   """
-  check_adam_hyper(b1, b2, eps)
+  check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("nesterov", nesterov)
   _validate.check_bool("grad_centralization", grad_centralization)
@@ -224,4 +236,4 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
       grad_clip=grad_clip, groups=groups, grad_centralization=grad_centralization,
-      nonfinite=nonfinite, dense_only="ak.adam")
+      nonfinite=nonfinite, dense_only="ak.adam", complex_ok=True)

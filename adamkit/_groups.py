@@ -134,13 +134,20 @@ DirectionFactory = Callable[..., optax.GradientTransformation]
 def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[str, Any],
                 weight_decay, weight_decay_mask, loss_scale, grad_clip, groups,
                 grad_centralization=False, nonfinite="propagate",
-                lr_link=None, dense_only: str | None = None) -> optax.GradientTransformation:
+                lr_link=None, dense_only: str | None = None,
+                complex_ok: bool = False) -> optax.GradientTransformation:
   """Assembles ``check -> unscale -> clip -> [per group: decay -> gc -> direction -> -lr]``.
 
   ``hyper`` holds the per-group-overridable hyperparameters (``b1``, ``b2``, ``eps``),
   already validated. ``lr_link`` builds the learning-rate link (default
   :func:`adamkit._links.scale_by_learning_rate`). ``dense_only``: the optimizer's name, to
-  refuse row-sparse gradients up front with a clear error.
+  refuse row-sparse gradients up front with a clear error. ``complex_ok``: the direction
+  trains complex parameters.
+
+  The chain's structure depends on no hyperparameter's value (a loss-scale and a decay
+  link are always there, stateless when constant), so ``optax.inject_hyperparams`` of a
+  named optimizer has the plain optimizer's state structure. Everything is validated here
+  once; the links and primitives are built inside :func:`adamkit._validate.trusted`.
   """
   _validate.check_choice("nonfinite", nonfinite, ("propagate", "skip"))
   lr_link = lr_link or _links.scale_by_learning_rate
@@ -148,13 +155,12 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   base_lr = _schedules.as_schedule(learning_rate, "learning_rate")
 
   def inner(lr, wd, mask, gc, hp):
-    links = []
-    if not _is_literal_zero(wd):
-      links.append(_links.add_decay(wd, mask, kind=decay_kind))
-    if gc:
-      links.append(_links.centralize_gradients())
-    links.append(direction(**hp))
-    links.append(lr_link(lr))
+    with _validate.trusted():
+      links = [_links.add_decay(wd, mask, kind=decay_kind)]
+      if gc:
+        links.append(_links.centralize_gradients())
+      links.append(direction(**hp))
+      links.append(lr_link(lr))
     return optax.chain(*links)
 
   if groups is None:
@@ -178,26 +184,23 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
       wd = decay_value
       if g.weight_decay is not None:
         g_kind, wd = _decay_form(g.weight_decay)
-        if g_kind != decay_kind and not _is_literal_zero(wd):
+        if g_kind != decay_kind and not _links._is_literal(wd, 0):
           raise ValueError(f"groups[{i}].weight_decay is {g_kind} but the optimizer's is {decay_kind}.")
       hp = dict(hyper)
       for key in ("b1", "b2", "eps"):
         value = getattr(g, key)
         if value is not None:
           if key == "eps":
-            _validate.check_positive(f"groups[{i}].eps", value)
+            _validate.check_eps(f"groups[{i}].eps", value)
           else:
-            _validate.check_open_unit(f"groups[{i}].{key}", value)
+            _validate.check_beta(f"groups[{i}].{key}", value)
           hp[key] = value
       # MindSpore: inside an explicit group, decay applies to every leaf (no name rule).
       transforms[g.name] = inner(lr, wd, None, g.grad_centralization, hp)
     body = optax.partition(transforms, _labeller(resolved))
 
-  links = [_links.check_inputs(dense_only)]
-  if not (isinstance(loss_scale, (int, float)) and loss_scale == 1.0):
-    links.append(_links.scale_by_loss_scale(loss_scale))
-  else:
-    _validate.check_positive("loss_scale", loss_scale)
+  links = [_links.check_inputs(dense_only, complex_ok=complex_ok),
+           _links.scale_by_loss_scale(loss_scale)]
   clip = _links.as_clip(grad_clip)
   if clip is not None:
     links.append(clip)
@@ -219,7 +222,3 @@ def _decay_form(weight_decay):
     return kind, value
   _validate.check_non_negative("weight_decay", value)
   return kind, value
-
-
-def _is_literal_zero(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0

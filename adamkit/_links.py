@@ -23,22 +23,26 @@ from adamkit._sparse_types import RowSparse, gather_rows, is_row_sparse, map_val
 # ---------------------------------------------------------------------------- checks
 
 
-def check_inputs(dense_only: str | None = None) -> optax.GradientTransformation:
-  """Rejects integer params at ``init`` and gradients that do not match the params (and,
-  with ``dense_only`` naming the optimizer, row-sparse gradients).
+def check_inputs(dense_only: str | None = None, *,
+                 complex_ok: bool = False) -> optax.GradientTransformation:
+  """Rejects integer params at ``init`` (complex ones too unless ``complex_ok``) and
+  gradients that do not match the params (and, with ``dense_only`` naming the optimizer,
+  row-sparse gradients).
 
   Stateless; every check happens while tracing, so it costs nothing in the compiled step.
   """
 
   def init_fn(params):
-    _validate.check_float_params(params)
+    _validate.check_float_params(params, complex_ok=complex_ok)
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
     if dense_only:
       _validate.check_dense_grads(updates, dense_only)
     _validate.check_matching_trees(updates, params)
-    return updates, state
+    # Python-number gradients (optax accepts them) become arrays for the links after this.
+    as_array = lambda g: g if hasattr(g, "dtype") else jnp.asarray(g)  # noqa: E731
+    return jax.tree.map(as_array, updates, is_leaf=is_row_sparse), state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -51,12 +55,15 @@ def scale_by_loss_scale(loss_scale: float) -> optax.GradientTransformation:
 
   MindSpore's ``loss_scale`` argument (used with ``FixedLossScaleManager(drop_overflow_
   update=False)``): the gradients arrive multiplied by ``s`` and are restored here, before
-  clipping and weight decay, so the decay term is ``wd * w`` whatever ``s`` is.
+  clipping and weight decay, so the decay term is ``wd * w`` whatever ``s`` is. Stateless;
+  a literal ``1.0`` leaves the gradients untouched.
   """
   _validate.check_positive("loss_scale", loss_scale)
 
   def update_fn(updates, state, params=None):
     del params
+    if _is_literal(loss_scale, 1):
+      return updates, state
     inv = 1.0 / jnp.asarray(loss_scale, jnp.float32)
     unscale = lambda g: map_values(lambda x: x * inv.astype(x.dtype), g)  # noqa: E731
     return jax.tree.map(unscale, updates, is_leaf=is_row_sparse), state
@@ -169,6 +176,10 @@ class AddDecayState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken; drives a weight-decay schedule
 
 
+def _is_literal(value, number) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == number
+
+
 def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
               kind: str = "l2") -> optax.GradientTransformation:
   r"""Adds an L2 (:math:`g + \lambda_t w`) or L1 (:math:`g + \lambda_t\,\mathrm{sign}(w)`)
@@ -176,20 +187,26 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
 
   ``weight_decay`` is a number ``>= 0`` or a schedule ``count -> value`` (MindSpore's
   dynamic weight decay). This is coupled L2 decay, as in MindSpore ``nn.Adam`` and Paddle
-  ``Adam(weight_decay=float)``, not AdamW's decoupled decay.
+  ``Adam(weight_decay=float)``, not AdamW's decoupled decay. The state is
+  :class:`AddDecayState` for a schedule and ``optax.EmptyState`` for a number (the same
+  structure whether the number is a Python float or an injected array); a literal ``0``
+  leaves the gradients untouched and needs no ``params``.
   """
   _validate.check_choice("kind", kind, ("l2", "l1"))
-  if not callable(weight_decay):
+  scheduled = callable(weight_decay)
+  if not scheduled:
     _validate.check_non_negative("weight_decay", weight_decay)
 
   def init_fn(params):
     del params
-    return AddDecayState(count=jnp.zeros([], jnp.int32))
+    return AddDecayState(count=jnp.zeros([], jnp.int32)) if scheduled else optax.EmptyState()
 
   def update_fn(updates, state, params=None):
+    if _is_literal(weight_decay, 0):
+      return updates, state
     if params is None:
       raise ValueError("Weight decay needs `params`: call `update(grads, state, params)`.")
-    wd = _schedules.scalar_or_schedule(weight_decay, state.count)
+    wd = _schedules.scalar_or_schedule(weight_decay, state.count if scheduled else 0)
     keep = _masks.resolve_mask(mask, params)
 
     def decay(g, w, k):
@@ -203,7 +220,9 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
 
     new = jax.tree.map(decay, updates, params, keep,
                        is_leaf=lambda x: x is None or is_row_sparse(x))
-    return new, AddDecayState(count=optax.safe_increment(state.count))
+    if scheduled:
+      state = AddDecayState(count=optax.safe_increment(state.count))
+    return new, state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -259,7 +278,10 @@ def scale_by_learning_rate(learning_rate: _schedules.ScalarOrSchedule
     del params
     lr = _lr_at(schedule, state.count)
     count = optax.safe_increment(state.count)
-    scale = lambda u: (-lr * u.astype(compute_dtype(u))).astype(u.dtype)  # noqa: E731
+    def scale(u):
+      dt = compute_dtype(u)
+      return (-lr.astype(dt) * u.astype(dt)).astype(u.dtype)
+
     new = jax.tree.map(lambda u: map_values(scale, u), updates, is_leaf=is_row_sparse)
     return new, ScaleByLearningRateState(count=count, learning_rate=_lr_at(schedule, count))
 
