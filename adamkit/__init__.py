@@ -14,7 +14,7 @@ from adamkit._adam import ScaleByAdamState, adam, scale_by_adam
 from adamkit._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
 
 # State: save/restore, the next learning rate, framework state import.
-from adamkit._checkpoint import get_lr, load_state_dict, state_dict
+from adamkit._checkpoint import get_lr, load_state_dict, set_lr, state_dict
 
 # Speed and precision: the one-pass fused step, master weights, float32 hyperparameters.
 from adamkit._fused import FusedAdamState, FusedStep, fused_adam, fused_adamax
@@ -64,7 +64,7 @@ __all__ = [
     "clip_by_norm", "centralize_gradients", "scale_by_learning_rate",
     "ScaleByLearningRateState", "scale_by_loss_scale",
     # state
-    "get_lr", "state_dict", "load_state_dict", "from_mindspore_state", "from_paddle_state",
+    "get_lr", "set_lr", "state_dict", "load_state_dict", "from_mindspore_state", "from_paddle_state",
     # sparse
     "RowSparse", "lookup", "sparse_grad", "value_and_sparse_grad", "GatheredRows",
     "sparse_adam", "scale_by_sparse_adam", "ScaleBySparseAdamState", "apply_updates",

@@ -22,6 +22,7 @@ import jax
 import optax
 
 from adamkit import _links, _masks, _schedules, _validate
+from adamkit._sparse_types import is_row_sparse
 
 _UNSET = None
 
@@ -118,7 +119,8 @@ def _labeller(groups: Sequence[Group]) -> Callable[[Any], Any]:
         if g.claims(name, leaf):
           return g.name
       return DEFAULT_LABEL
-    return jax.tree_util.tree_map_with_path(label, params)
+    # optax.partition labels the gradients too: a RowSparse stands for its table, one label.
+    return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_row_sparse)
   return labels
 
 

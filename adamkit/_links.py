@@ -39,6 +39,8 @@ def check_inputs(dense_only: str | None = None, *,
   def update_fn(updates, state, params=None):
     if dense_only:
       _validate.check_dense_grads(updates, dense_only)
+    else:
+      _validate.check_row_ids_untouched(updates)
     _validate.check_matching_trees(updates, params)
     # Python-number gradients (optax accepts them) become arrays for the links after this.
     as_array = lambda g: g if hasattr(g, "dtype") else jnp.asarray(g)  # noqa: E731
@@ -103,33 +105,81 @@ GradClip = Union[None, ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue,
                  optax.GradientTransformation]
 
 
+def _sq_norm(g) -> jax.Array:
+  r""":math:`\|g\|_2^2` in float32 (or wider); for a :class:`RowSparse` the norm of its
+  dense equivalent, duplicate ids summed first."""
+  if isinstance(g, RowSparse):
+    g = g.coalesce().values
+  g = g.astype(compute_dtype(g))
+  return jnp.sum(jnp.abs(g) ** 2 if jnp.iscomplexobj(g) else g * g).astype(jnp.float32)
+
+
+def _scaled_by(g, factor):
+  def scale(x):
+    dt = compute_dtype(x)
+    return (x.astype(dt) * factor.astype(dt)).astype(x.dtype)
+  return map_values(scale, g)
+
+
+def clip_by_global_norm(clip_norm: float) -> optax.GradientTransformation:
+  r"""Global L2-norm clipping (Paddle ``ClipGradByGlobalNorm``):
+  :math:`g \leftarrow g \cdot c / \max(\|g\|_2, c)`, the norm over every leaf together.
+
+  As ``optax.clip_by_global_norm`` for dense leaves; a :class:`RowSparse` leaf counts
+  with the norm of its dense equivalent (duplicate ids summed) and keeps its ids.
+  """
+  _validate.check_positive("clip_norm", clip_norm)
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves = [g for g in jax.tree.leaves(updates, is_leaf=is_row_sparse) if g is not None]
+    norm = jnp.sqrt(sum((_sq_norm(g) for g in leaves), jnp.zeros([], jnp.float32)))
+    factor = clip_norm / jnp.maximum(norm, clip_norm)
+    return jax.tree.map(lambda g: _scaled_by(g, factor), updates, is_leaf=is_row_sparse), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
 def clip_by_norm(clip_norm: float) -> optax.GradientTransformation:
-  """Per-leaf L2-norm clipping (Paddle ``ClipGradByNorm``)."""
+  """Per-leaf L2-norm clipping (Paddle ``ClipGradByNorm``); a :class:`RowSparse` leaf
+  counts with the norm of its dense equivalent."""
   _validate.check_positive("clip_norm", clip_norm)
 
   def update_fn(updates, state, params=None):
     del params
 
     def clip(g):
-      g32 = g.astype(compute_dtype(g))
-      norm = jnp.sqrt(jnp.sum(g32 * g32))
-      factor = clip_norm / jnp.maximum(norm, clip_norm)
-      return (g32 * factor).astype(g.dtype)
+      factor = clip_norm / jnp.maximum(jnp.sqrt(_sq_norm(g)), clip_norm)
+      return _scaled_by(g, factor)
 
-    return jax.tree.map(clip, updates), state
+    return jax.tree.map(clip, updates, is_leaf=is_row_sparse), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
 
 def clip_by_value(max_value: float, min_value: float | None = None):
-  """Element-wise clipping to ``[min_value, max_value]`` (Paddle ``ClipGradByValue``)."""
+  """Element-wise clipping to ``[min_value, max_value]`` (Paddle ``ClipGradByValue``).
+
+  A :class:`RowSparse` leaf is coalesced first (duplicate ids summed), so what is clipped
+  is its dense equivalent; its zero rows stay zero when ``min <= 0 <= max``.
+  """
   lo = -max_value if min_value is None else min_value
   if not lo < max_value:
     raise ValueError(f"`min` must be < `max` for ClipGradByValue, got min={lo}, max={max_value}.")
 
+  def clip(g):
+    if isinstance(g, RowSparse):
+      if not lo <= 0 <= max_value:
+        raise ValueError(
+            f"ClipGradByValue(min={lo}, max={max_value}) moves the zero rows a RowSparse "
+            "gradient leaves out; only a range that holds 0 keeps the gradient sparse.")
+      g = g.coalesce()
+      return g.with_values(jnp.clip(g.values, lo, max_value).astype(g.dtype))
+    return jnp.clip(g, lo, max_value).astype(g.dtype)
+
   def update_fn(updates, state, params=None):
     del params
-    return jax.tree.map(lambda g: jnp.clip(g, lo, max_value).astype(g.dtype), updates), state
+    return jax.tree.map(clip, updates, is_leaf=is_row_sparse), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
@@ -139,8 +189,7 @@ def as_clip(grad_clip: GradClip) -> optax.GradientTransformation | None:
   if grad_clip is None:
     return None
   if isinstance(grad_clip, ClipGradByGlobalNorm):
-    _validate.check_positive("clip_norm", grad_clip.clip_norm)
-    return optax.clip_by_global_norm(grad_clip.clip_norm)
+    return clip_by_global_norm(grad_clip.clip_norm)
   if isinstance(grad_clip, ClipGradByNorm):
     return clip_by_norm(grad_clip.clip_norm)
   if isinstance(grad_clip, ClipGradByValue):

@@ -104,18 +104,19 @@ def master_weights(tx: optax.GradientTransformation, *,
                            state.master, is_leaf=lambda x: x is None)
     inner_upd, inner = tx.update(grads32, state.inner, full_params, **extra)
 
-    def step(u, m, p):
-      if m is None:
-        return u, None
-      new_master = (m + u.astype(master_dtype)).astype(master_dtype)
-      delta = new_master.astype(p.dtype).astype(master_dtype) - p.astype(master_dtype)
-      return delta.astype(p.dtype), new_master
+    none = lambda x: x is None  # noqa: E731
 
-    out = jax.tree.map(step, inner_upd, state.master, params, is_leaf=lambda x: x is None)
-    treedef = jax.tree.structure(params)
-    pairs = treedef.flatten_up_to(out)
-    new_updates = treedef.unflatten([a for a, _ in pairs])
-    master = treedef.unflatten([b for _, b in pairs])
+    def advance(u, m):
+      return None if m is None else (m + u.astype(master_dtype)).astype(master_dtype)
+
+    def delta(new_master, p, u):
+      if new_master is None:
+        return u
+      d = new_master.astype(p.dtype).astype(master_dtype) - p.astype(master_dtype)
+      return d.astype(p.dtype)
+
+    master = jax.tree.map(advance, inner_upd, state.master, is_leaf=none)
+    new_updates = jax.tree.map(delta, master, params, inner_upd, is_leaf=none)
     return new_updates, MasterWeightsState(master=master, inner=inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
