@@ -131,9 +131,9 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
 
 def _unwrap(x):
   """The array inside a Flax NNX variable (``nnx.Optimizer`` wraps every state leaf)."""
-  if isinstance(x, (jax.Array, np.ndarray)) or not hasattr(x, "value"):
+  if isinstance(x, (jax.Array, np.ndarray)):
     return x
-  return x.get_value() if hasattr(x, "get_value") else x.value
+  return x.get_value() if hasattr(x, "get_value") else x
 
 
 def _field(node, name):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from adamkit import _links, _masks, _schedules, _validate
@@ -209,8 +210,39 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   links.append(body)
   tx = optax.chain(*links)
   if nonfinite == "skip":
-    tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
+    tx = skip_nonfinite(tx)
   return tx
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``optax.apply_if_finite(inner, max_consecutive_errors=inf)`` (same state), whose
+  skipped step returns zeros shaped like ``inner``'s updates rather than like the
+  gradient: a non-lazy sparse optimizer turns a RowSparse gradient into a dense update."""
+
+  def init_fn(params):
+    return optax.ApplyIfFiniteState(
+        notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True, jnp.bool_),
+        total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra):
+    leaves = jax.tree.leaves(updates)
+    isfinite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves], jnp.bool_))
+
+    def apply():
+      return inner.update(updates, state.inner_state, params, **extra)
+
+    def skip():
+      shapes = jax.eval_shape(apply)[0]
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state
+
+    new_updates, inner_state = jax.lax.cond(isfinite, apply, skip)
+    bump = lambda c: jnp.where(isfinite, c, optax.safe_increment(c))  # noqa: E731
+    return new_updates, optax.ApplyIfFiniteState(
+        notfinite_count=jnp.where(isfinite, 0, optax.safe_increment(state.notfinite_count)),
+        last_finite=isfinite, total_notfinite=bump(state.total_notfinite),
+        inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _decay_form(weight_decay):

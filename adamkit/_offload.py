@@ -281,6 +281,7 @@ def _update_touched_rows(inner, updates, state, params, extra):
   sparse Adam); returns ``None`` when ``inner`` answers a sparse gradient with a dense
   update (``lazy=False``: every row moves), and the caller moves the whole state instead.
   """
+  _validate.check_row_ids_untouched(updates)  # before the ids index the host gather
   g_flat, g_def = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)
   tables = {}  # path -> (global ids (k,), num_rows N, row shape)
   reduced_g = []

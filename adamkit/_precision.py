@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _validate
+from adamkit._sparse_types import RowSparse, gather_rows, map_values, safe_ids, scatter_rows
 
 
 class MasterWeightsState(NamedTuple):
@@ -100,22 +101,32 @@ def master_weights(tx: optax.GradientTransformation, *,
       raise ValueError("master_weights needs `params`: call `update(grads, state, params)`.")
     _validate.check_matching_trees(updates, params)
     full_params = full(state.master, params)
-    grads32 = jax.tree.map(lambda g, m: g if m is None else g.astype(master_dtype), updates,
-                           state.master, is_leaf=lambda x: x is None)
+    to32 = lambda x: x.astype(master_dtype)  # noqa: E731
+    grads32 = jax.tree.map(lambda m, g: g if m is None else map_values(to32, g), state.master,
+                           updates, is_leaf=lambda x: x is None)
     inner_upd, inner = tx.update(grads32, state.inner, full_params, **extra)
 
     none = lambda x: x is None  # noqa: E731
 
     def advance(u, m):
-      return None if m is None else (m + u.astype(master_dtype)).astype(master_dtype)
+      if m is None:
+        return None
+      if isinstance(u, RowSparse):  # lazy sparse step: only the touched rows of the master
+        return scatter_rows(m, safe_ids(u.indices, u.num_rows), u.values, add=True)
+      return (m + u.astype(master_dtype)).astype(master_dtype)
 
     def delta(new_master, p, u):
       if new_master is None:
         return u
+      if isinstance(u, RowSparse):  # a RowSparse update of the same rows, O(k)
+        ids = safe_ids(u.indices, u.num_rows)
+        rows = gather_rows(new_master, ids)
+        d = rows.astype(p.dtype).astype(master_dtype) - gather_rows(p, ids).astype(master_dtype)
+        return u.with_values(d.astype(p.dtype))
       d = new_master.astype(p.dtype).astype(master_dtype) - p.astype(master_dtype)
       return d.astype(p.dtype)
 
-    master = jax.tree.map(advance, inner_upd, state.master, is_leaf=none)
+    master = jax.tree.map(lambda m, u: advance(u, m), state.master, inner_upd, is_leaf=none)
     new_updates = jax.tree.map(delta, master, params, inner_upd, is_leaf=none)
     return new_updates, MasterWeightsState(master=master, inner=inner)
 

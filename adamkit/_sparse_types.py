@@ -148,6 +148,16 @@ class RowSparse:
   A pytree whose children are ``indices`` and ``values``; ``num_rows`` is static. adamkit's
   links treat a ``RowSparse`` as one leaf standing for the whole table.
 
+  .. warning::
+    The ids are a pytree leaf (they must cross ``jit``), so ``jax.tree.map`` and optax's
+    gradient transforms see them. An optax transform that turns them into floats
+    (``optax.scale``, ``optax.clip``) is refused by adamkit's sparse optimizers while
+    tracing, and ``optax.clip_by_global_norm`` fails inside optax; ``optax.zero_nans`` and
+    ``optax.apply_if_finite`` leave them intact and work. Integer arithmetic over the whole
+    tree cannot be detected: ``jax.tree.map(lambda x: x * 3, g)`` multiplies the ids too,
+    and ``jax.tree.map(jnp.add, g1, g2)`` adds them. Change the values with
+    :meth:`with_values`, and concatenate two gradients' ids and values to add them.
+
   Args:
     indices: int32/int64 row ids, shape ``(k,)``.
     values: one row of gradient per id, shape ``(k, *row_shape)``, floating point.
@@ -171,6 +181,9 @@ class RowSparse:
   __slots__ = ("indices", "values", "num_rows")
 
   def __init__(self, indices: Any, values: Any, num_rows: int):
+    if isinstance(indices, (list, tuple)) and any(np.ndim(i) > 0 for i in indices):
+      raise TypeError("`indices` must be one 1-D integer array of row ids, got a "
+                      f"{type(indices).__name__} of arrays: concatenate them first.")
     num_rows = _check_num_rows(num_rows)
     indices, values = check_row_args(indices, values, num_rows)
     self.indices = indices

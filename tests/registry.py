@@ -37,13 +37,14 @@ REGISTRY = {
     "offload_sparse_adam_state": lambda lr: ak.offload(ak.sparse_adam(lr), mode="state"),
     "master_weights_adam": lambda lr: ak.master_weights(ak.adam(lr)),
     "master_weights_adamax": lambda lr: ak.master_weights(ak.adamax(lr)),
-    "master_weights_sparse_adam": lambda lr: ak.master_weights(ak.sparse_adam(lr, lazy=False)),
+    "master_weights_sparse_adam": lambda lr: ak.master_weights(ak.sparse_adam(lr)),
 }
 
 NAMES = sorted(REGISTRY)
 
 # The entries that take RowSparse gradients (the others refuse them with a TypeError).
-SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state")
+SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",
+          "master_weights_sparse_adam")
 
 # MultiSteps' lax.cond cannot mix host-resident and device scalars, so an offloaded
 # optimizer is accumulated the other way round: the offload wraps MultiSteps (documented
