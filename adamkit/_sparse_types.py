@@ -230,6 +230,25 @@ class RowSparse:
       zeros = jnp.zeros_like(like, dtype=self.values.dtype)
     return scatter_rows(zeros, ids, self.values, add=True)
 
+  def __add__(self, other: Any) -> Any:
+    """``dense + sparse``: the dense array with the rows added (duplicates add up, ids
+    outside ``[0, num_rows)`` dropped), so ``optax.apply_updates`` and ``nnx.Optimizer``
+    apply a lazy sparse update in ``O(k)``; ``sparse + sparse``: the ids and values
+    concatenated (the sum, uncoalesced)."""
+    if isinstance(other, RowSparse):
+      if other.shape != self.shape:
+        raise ValueError(f"Cannot add RowSparse gradients of dense shapes {self.shape} and "
+                         f"{other.shape}.")
+      ids = jnp.concatenate([self.indices, other.indices.astype(self.indices.dtype)])
+      values = jnp.concatenate([self.values, other.values.astype(self.values.dtype)])
+      return RowSparse.tree_unflatten(self.num_rows, (ids, values))
+    if not hasattr(other, "shape") or tuple(other.shape) != self.shape:
+      return NotImplemented
+    return scatter_rows(jnp.asarray(other), safe_ids(self.indices, self.num_rows), self.values,
+                        add=True)
+
+  __radd__ = __add__
+
   def coalesce(self) -> RowSparse:
     """Merges duplicate ids (values summed) with static shapes, so it works under jit.
 

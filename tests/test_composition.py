@@ -231,6 +231,22 @@ def test_sparse_groups_and_skip():
   assert ak.get_lr(state) == {"default": pytest.approx(LR), "group0": pytest.approx(0.5)}
 
 
+def test_row_sparse_addition_is_the_dense_sum():
+  g = ak.RowSparse(jnp.array([1, 3, 1]), jnp.array([[1.0], [2.0], [4.0]]), 5)
+  h = ak.RowSparse(jnp.array([3, 0]), jnp.array([[8.0], [16.0]]), 5)
+  table = jnp.arange(5.0).reshape(5, 1)
+  np.testing.assert_array_equal(table + g, table + g.todense())
+  np.testing.assert_array_equal(g + table, table + g.todense())
+  np.testing.assert_array_equal((g + h).todense(), g.todense() + h.todense())
+  # optax.apply_updates applies a lazy RowSparse update (so does nnx.Optimizer)
+  out = optax.apply_updates({"t": table}, {"t": g})
+  np.testing.assert_array_equal(out["t"], ak.apply_updates({"t": table}, {"t": g})["t"])
+  with pytest.raises(ValueError, match="dense shapes"):
+    g + ak.RowSparse(jnp.array([0]), jnp.ones((1, 1)), 6)
+  with pytest.raises(TypeError, match="one 1-D integer array"):
+    ak.RowSparse([jnp.array([0, 1]), jnp.array([2])], jnp.ones((3, 1)), 5)
+
+
 # (optimizer-independent) the optax transforms that map over row ids, and the errors.
 REFUSED = [
     ("clip", lambda tx: optax.chain(optax.clip(1.0), tx), TypeError, "grad_clip="),
@@ -290,10 +306,14 @@ def _python_blocks(path):
   return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-@pytest.mark.parametrize("page", ["docs/composition.md"])
+@pytest.mark.parametrize("page", ["docs/composition.md", "docs/nnx.md"])
 def test_docs_examples_run(page):
+  """The pages' examples run as written, in order, sharing one namespace per page."""
+  if page == "docs/nnx.md":
+    pytest.importorskip("orbax.checkpoint")
   blocks = _python_blocks(page)
   assert blocks
+  namespace = {}
   for code in blocks:
     with jax.numpy_dtype_promotion("standard"):  # as users run (MultiSteps divides int by float)
-      exec(compile(code, page, "exec"), {})
+      exec(compile(code, page, "exec"), namespace)
