@@ -281,6 +281,13 @@ def test_id_mapping_transforms_are_refused_at_trace_time(name, idiom, wrap, exc,
       jax.jit(tx.update)(_sparse_grads(0), tx.init(params), params)
 
 
+def test_sparse_adam_offloaded_in_compute_mode_points_to_state_mode():
+  params = _sparse_params()
+  tx = ak.offload(ak.sparse_adam(LR), mode="compute")
+  with pytest.raises(RuntimeError, match="Use mode='state'"):
+    tx.update(_sparse_grads(0), tx.init(params), params)
+
+
 def test_apply_if_finite_outside_a_non_lazy_sparse_optimizer_is_refused():
   """A non-lazy sparse step turns a RowSparse gradient into a dense update, and
   optax.apply_if_finite's skip branch returns zeros shaped like the gradient: lax.cond
