@@ -16,7 +16,7 @@ from adamkit._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
 from adamkit._adamw import adamw
 
 # State: save/restore, the next learning rate, framework state import.
-from adamkit._checkpoint import get_lr, load_state_dict, state_dict
+from adamkit._checkpoint import get_lr, load_state_dict, set_lr, state_dict
 
 # Speed and precision: the one-pass fused step, master weights, float32 hyperparameters.
 from adamkit._fused import FusedAdamState, FusedStep, fused_adam, fused_adamax
@@ -69,7 +69,7 @@ __all__ = [
     # AdamW and AMSGrad
     "adamw", "add_decoupled_decay", "ScaleByAmsgradState",
     # state
-    "get_lr", "state_dict", "load_state_dict", "from_mindspore_state", "from_paddle_state",
+    "get_lr", "set_lr", "state_dict", "load_state_dict", "from_mindspore_state", "from_paddle_state",
     # sparse
     "RowSparse", "lookup", "sparse_grad", "value_and_sparse_grad", "GatheredRows",
     "sparse_adam", "scale_by_sparse_adam", "ScaleBySparseAdamState", "apply_updates",

@@ -34,16 +34,30 @@ def bias_corrections(b1, b2, count):
   return (1.0 - jnp.asarray(b1, jnp.float32) ** t, 1.0 - jnp.asarray(b2, jnp.float32) ** t)
 
 
-def check_adam_hyper(b1, b2, eps) -> None:
-  _validate.check_open_unit("b1", b1)
-  _validate.check_open_unit("b2", b2)
-  _validate.check_positive("eps", eps)
+def check_adam_hyper(b1, b2, eps, mu_dtype=None, nu_dtype=None) -> None:
+  _validate.check_beta("b1", b1)
+  _validate.check_beta("b2", b2)
+  _validate.check_eps("eps", eps)
+  _validate.check_dtype("mu_dtype", mu_dtype)
+  _validate.check_dtype("nu_dtype", nu_dtype)
+
+
+def abs_sq(g):
+  """:math:`|g|^2`, real for a complex ``g`` (as optax), in ``g``'s dtype."""
+  return (g * jnp.conj(g)).real.astype(g.dtype) if jnp.iscomplexobj(g) else g * g
+
+
+def _joined(g, *xs):
+  """The float32 scalars ``xs`` in a complex leaf's dtype (strict promotion), else as they are."""
+  return tuple(jnp.asarray(x, g.dtype) for x in xs) if jnp.iscomplexobj(g) else xs
 
 
 def adam_moments(g, m, v, *, b1, b2):
-  """The moment rows of the Adam step: returns ``(m_t, v_t)``."""
+  """The moment rows of the Adam step: returns ``(m_t, v_t)`` (for a complex leaf ``v``
+  holds the real :math:`|g|^2` averages in the complex dtype, as optax)."""
+  b1, b2 = _joined(g, b1, b2)
   m = b1 * m + (1.0 - b1) * g
-  v = b2 * v + (1.0 - b2) * (g * g)
+  v = b2 * v + (1.0 - b2) * abs_sq(g)
   return m, v
 
 
@@ -52,6 +66,7 @@ def adam_ratio(g, m, v, *, b1, eps, bc1, bc2, eps_mode, nesterov):
 
   ``bc1 = bc2 = 1`` turns bias correction off (the two eps modes then coincide).
   """
+  b1, eps, bc1, bc2 = _joined(g, b1, eps, bc1, bc2)
   m_num = b1 * m + (1.0 - b1) * g if nesterov else m
   if eps_mode == "hat":
     return (jnp.sqrt(bc2) / bc1) * m_num / (jnp.sqrt(v) + eps)
@@ -128,9 +143,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     :math:`\beta_2 = 0.999`, :math:`s = 100`, :math:`t = 1000`), so its steps are smaller.
 
   Args:
-    b1: decay of the first moment, in (0, 1).
-    b2: decay of the second moment, in (0, 1).
-    eps: added to the denominator, > 0.
+    b1: decay of the first moment, in [0, 1).
+    b2: decay of the second moment, in [0, 1).
+    eps: added to the denominator, at least float32's smallest normal number (1.18e-38).
     eps_mode: ``"hat"`` or ``"corrected"`` (see above).
     nesterov: use the Nesterov numerator.
     bias_correction: divide by :math:`1-\beta^t` (default); ``False`` is MindSpore
@@ -140,6 +155,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
       default: the params' dtype. The arithmetic is always float32 or wider.
     nu_dtype: dtype of the second moment, likewise (``jnp.bfloat16`` keeps its 8-bit
       exponent, so :math:`g^2` neither under- nor overflows as it would in float16).
+
+  Complex parameters are trained as optax does: :math:`g^2` is :math:`|g|^2`.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleByAdamState`, or
@@ -163,7 +180,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     Reproduces MindSpore 2.10 ``nn.Adam`` (``use_amsgrad``) and ``nn.AdamWeightDecay``'s
     direction, PaddlePaddle 3.3.1 ``optimizer.Adam`` / ``AdamW`` (``amsgrad``).
   """
-  check_adam_hyper(b1, b2, eps)
+  check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("nesterov", nesterov)
   _validate.check_bool("bias_correction", bias_correction)
@@ -172,7 +189,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 
   def init_fn(params):
-    _validate.check_float_params(params)
+    _validate.check_float_params(params, complex_ok=True)
     mu, nu = zero_moments(params, mu_dtype, nu_dtype)
     count = jnp.zeros([], jnp.int32)
     if amsgrad:
@@ -267,7 +284,7 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     >>> optax.apply_updates(params, updates)["w"]
     Array([ 0.9, -1.9], dtype=float32)
   """
-  check_adam_hyper(b1, b2, eps)
+  check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("nesterov", nesterov)
   _validate.check_bool("amsgrad", amsgrad)
@@ -281,4 +298,4 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
       grad_clip=grad_clip, groups=groups, grad_centralization=grad_centralization,
-      nonfinite=nonfinite, dense_only="ak.adam")
+      nonfinite=nonfinite, dense_only="ak.adam", complex_ok=True)

@@ -21,8 +21,11 @@ class ScaleByAdamaxState(NamedTuple):
 
 def adamax_direction(g, m, v, *, b1, b2, eps, bc1):
   """One leaf of the AdaMax step, in the docstring's order. Returns ``(u, m, v)``."""
+  cplx = jnp.iscomplexobj(g)
+  if cplx:  # strict promotion: the float32 scalars join the complex dtype
+    b1, eps, bc1 = (jnp.asarray(x, g.dtype) for x in (b1, eps, bc1))
   m = b1 * m + (1.0 - b1) * g
-  v = jnp.maximum(b2 * v, jnp.abs(g))
+  v = jnp.maximum(b2 * v.real, jnp.abs(g)).astype(g.dtype) if cplx else jnp.maximum(b2 * v, jnp.abs(g))
   u = m / (bc1 * (v + eps))
   return u, m, v
 
@@ -44,9 +47,9 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     :math:`|g|` is small against :math:`\epsilon`.
 
   Args:
-    b1: decay of the first moment, in (0, 1).
-    b2: decay of the infinity norm, in (0, 1).
-    eps: added to the denominator, > 0.
+    b1: decay of the first moment, in [0, 1).
+    b2: decay of the infinity norm, in [0, 1).
+    eps: added to the denominator, at least float32's smallest normal number (1.18e-38).
     mu_dtype, nu_dtype: storage dtypes of the two moments (e.g. ``jnp.bfloat16``);
       default: the params' dtype. The arithmetic is float32 or wider.
 
@@ -64,12 +67,12 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015, section 7.1.
     Reproduces MindSpore 2.10 ``nn.AdaMax``.
   """
-  check_adam_hyper(b1, b2, eps)
+  check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 
   def init_fn(params):
-    _validate.check_float_params(params)
+    _validate.check_float_params(params, complex_ok=True)
     mu, nu = zero_moments(params, mu_dtype, nu_dtype)
     return ScaleByAdamaxState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
@@ -121,8 +124,9 @@ def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     >>> optax.apply_updates(params, updates)["w"]
     Array([ 0.9, -1.9], dtype=float32)
   """
-  check_adam_hyper(b1, b2, eps)
+  check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
   _validate.check_bool("grad_centralization", grad_centralization)
+
   def direction(b1, b2, eps):
     return scale_by_adamax(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
 
@@ -130,4 +134,4 @@ def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
       grad_clip=grad_clip, groups=groups, grad_centralization=grad_centralization,
-      nonfinite=nonfinite, dense_only="ak.adamax")
+      nonfinite=nonfinite, dense_only="ak.adamax", complex_ok=True)

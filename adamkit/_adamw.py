@@ -100,7 +100,7 @@ def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     Reproduces MindSpore 2.10 ``nn.AdamWeightDecay`` and PaddlePaddle 3.3.1
     ``optimizer.AdamW`` (checked against their trajectories).
   """
-  _adam.check_adam_hyper(b1, b2, eps)
+  _adam.check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("bias_correction", bias_correction)
   _validate.check_bool("amsgrad", amsgrad)

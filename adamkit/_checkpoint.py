@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -13,7 +14,7 @@ from adamkit._adam import ScaleByAdamState, ScaleByAmsgradState
 from adamkit._adamax import ScaleByAdamaxState
 from adamkit._links import ScaleByLearningRateState
 from adamkit._sparse import ScaleBySparseAdamState
-from adamkit._validate import path_name
+from adamkit._validate import check_non_negative, path_name
 
 _MOMENT_STATES = (ScaleByAdamState, ScaleByAmsgradState, ScaleByAdamaxState,
                   ScaleBySparseAdamState)
@@ -157,11 +158,48 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
   return jax.tree.unflatten(jax.tree.structure(like_state), leaves)
 
 
+def _unwrap(x):
+  """The array inside a Flax NNX variable (``nnx.Optimizer`` wraps every state leaf)."""
+  if isinstance(x, (jax.Array, np.ndarray)):
+    return x
+  return x.get_value() if hasattr(x, "get_value") else x
+
+
+def _field(node, name):
+  """``node.name`` for a NamedTuple, ``node[name]`` for its pure-dict form
+  (``nnx.to_pure_dict``), else ``None``."""
+  if isinstance(node, Mapping):
+    return node.get(name)
+  return getattr(node, name, None) if isinstance(node, tuple) else None
+
+
+def _injected(state):
+  """The ``hyperparams`` dict of an ``inject_hyperparams`` state (or its pure-dict form)
+  that holds ``learning_rate``, or ``None``."""
+  hyper = _field(state, "hyperparams")
+  if isinstance(hyper, Mapping) and "learning_rate" in hyper:
+    return hyper
+  return None
+
+
+def _is_lr_record(x) -> bool:
+  return isinstance(x, ScaleByLearningRateState) or (
+      isinstance(x, Mapping) and set(x) == set(ScaleByLearningRateState._fields))
+
+
 def get_lr(state: Any):
   """The learning rate the next ``update`` will use (Paddle ``Optimizer.get_lr``).
 
   Returns a float32 scalar, or ``{group: scalar}`` when the optimizer has parameter
-  groups (the ungrouped leaves are ``"default"``).
+  groups (the ungrouped leaves are ``"default"``). ``state`` may be an optimizer state,
+  an ``optax.inject_hyperparams`` / ``ak.inject_hyperparams`` state (the injected
+  ``learning_rate`` is the one returned, so a rate changed with :func:`set_lr` or by hand
+  is followed), a Flax ``nnx.Optimizer`` (or its ``opt_state``), or the
+  ``nnx.to_pure_dict`` form of one.
+
+  .. warning::
+    With parameter groups inside ``inject_hyperparams``, the per-group rates returned are
+    those recorded at the last ``update``; a rate injected since shows from the next one.
 
   Examples:
     >>> import jax.numpy as jnp, adamkit as ak
@@ -174,11 +212,59 @@ def get_lr(state: Any):
     >>> ak.get_lr(state)
     Array(0.05, dtype=float32)
   """
-  is_lr = lambda x: isinstance(x, ScaleByLearningRateState)  # noqa: E731
-  found = [(p, n) for p, n in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_lr)[0]
-           if is_lr(n)]
+  state = getattr(state, "opt_state", state)  # an nnx.Optimizer
+  found = [(p, n) for p, n in
+           jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_lr_record)[0]
+           if _is_lr_record(n)]
+  hyper = None
+  for node in jax.tree.leaves(state, is_leaf=lambda x: _injected(x) is not None):
+    if _injected(node) is not None:
+      hyper = _injected(node)
+      break
+  if hyper is not None and len(found) <= 1:
+    return jnp.asarray(_unwrap(hyper["learning_rate"]), jnp.float32)
   if not found:
     raise ValueError("get_lr: this state has no adamkit learning-rate link.")
   if len(found) == 1:
-    return found[0][1].learning_rate
-  return {(_group_of(p) or path_name(p)): n.learning_rate for p, n in found}
+    return _unwrap(_field(found[0][1], "learning_rate"))
+  return {(_group_of(p) or path_name(p)): _unwrap(_field(n, "learning_rate")) for p, n in found}
+
+
+def set_lr(state: Any, learning_rate: Any) -> Any:
+  """A copy of an ``inject_hyperparams`` state whose next ``update`` uses ``learning_rate``
+  (Paddle ``Optimizer.set_lr``); :func:`get_lr` then returns it.
+
+  Only an injected learning rate can be set: a plain optimizer's rate comes from its
+  schedule at every step, so wrap the optimizer with ``ak.inject_hyperparams`` (or
+  ``optax.inject_hyperparams``) to change it while training.
+
+  Args:
+    state: the state of ``ak.inject_hyperparams(ak.adam)(learning_rate=...)`` (or of any
+      optimizer injected with a ``learning_rate``).
+    learning_rate: a number >= 0 (or a 0-d array), stored in the injected dtype.
+
+  Returns:
+    The new state (the input is not modified).
+
+  Raises:
+    ValueError: ``state`` has no injected learning rate, or a negative rate.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> tx = ak.inject_hyperparams(ak.adam)(learning_rate=0.1)
+    >>> state = ak.set_lr(tx.init({"w": jnp.zeros(2)}), 0.01)
+    >>> ak.get_lr(state)
+    Array(0.01, dtype=float32)
+  """
+  hyper = _injected(state)
+  if hyper is None:
+    raise ValueError(
+        "set_lr: `state` has no injected learning rate; build the optimizer with "
+        "ak.inject_hyperparams(ak.adam)(learning_rate=...) to change the rate while "
+        "training (a plain optimizer's rate comes from its schedule).")
+  check_non_negative("learning_rate", learning_rate)
+  old = hyper["learning_rate"]
+  new_hyper = dict(hyper, learning_rate=jnp.asarray(learning_rate, jnp.asarray(old).dtype))
+  if isinstance(state, Mapping):
+    return {**state, "hyperparams": new_hyper}
+  return state._replace(hyperparams=new_hyper)

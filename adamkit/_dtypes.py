@@ -9,4 +9,7 @@ def compute_dtype(x) -> jnp.dtype:
   Written out rather than ``jnp.promote_types``, which refuses bf16 + f32 under
   ``jax_numpy_dtype_promotion="strict"``.
   """
-  return jnp.dtype(jnp.float64) if jnp.dtype(x.dtype).itemsize > 4 else jnp.dtype(jnp.float32)
+  dtype = jnp.dtype(x.dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):  # complex64 / complex128 compute as stored
+    return dtype
+  return jnp.dtype(jnp.float64) if dtype.itemsize > 4 else jnp.dtype(jnp.float32)

@@ -19,9 +19,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from adamkit import _links, _masks, _schedules, _validate
+from adamkit._sparse_types import is_row_sparse
 
 _UNSET = None
 
@@ -118,7 +120,8 @@ def _labeller(groups: Sequence[Group]) -> Callable[[Any], Any]:
         if g.claims(name, leaf):
           return g.name
       return DEFAULT_LABEL
-    return jax.tree_util.tree_map_with_path(label, params)
+    # optax.partition labels the gradients too: a RowSparse stands for its table, one label.
+    return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_row_sparse)
   return labels
 
 
@@ -135,7 +138,8 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
                 weight_decay, weight_decay_mask, loss_scale, grad_clip, groups,
                 grad_centralization=False, nonfinite="propagate",
                 lr_link=None, dense_only: str | None = None,
-                decoupled: bool = False) -> optax.GradientTransformation:
+                decoupled: bool = False,
+                complex_ok: bool = False) -> optax.GradientTransformation:
   """Assembles ``check -> unscale -> clip -> [per group: decay -> gc -> direction -> -lr]``.
 
   ``hyper`` holds the per-group-overridable hyperparameters (``b1``, ``b2``, ``eps``),
@@ -143,6 +147,12 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   :func:`adamkit._links.scale_by_learning_rate`). ``dense_only``: the optimizer's name, to
   refuse row-sparse gradients up front with a clear error. ``decoupled``: the decay link
   goes after the direction instead (AdamW: ``[gc -> direction -> decay -> -lr]``).
+  ``complex_ok``: the direction trains complex parameters.
+
+  The chain's structure depends on no hyperparameter's value (a loss-scale and a decay
+  link are always there, stateless when constant), so ``optax.inject_hyperparams`` of a
+  named optimizer has the plain optimizer's state structure. Everything is validated here
+  once; the links and primitives are built inside :func:`adamkit._validate.trusted`.
   """
   _validate.check_choice("nonfinite", nonfinite, ("propagate", "skip"))
   lr_link = lr_link or _links.scale_by_learning_rate
@@ -150,15 +160,18 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   base_lr = _schedules.as_schedule(learning_rate, "learning_rate")
 
   def inner(lr, wd, mask, gc, hp):
-    links = []
-    if not _is_literal_zero(wd) and not decoupled:
-      links.append(_links.add_decay(wd, mask, kind=decay_kind))
-    if gc:
-      links.append(_links.centralize_gradients())
-    links.append(direction(**hp))
-    if not _is_literal_zero(wd) and decoupled:
-      links.append(_links.add_decoupled_decay(wd, mask))
-    links.append(lr_link(lr))
+    with _validate.trusted():
+      if decoupled:
+        decay = _links.add_decoupled_decay(wd, mask)
+      else:
+        decay = _links.add_decay(wd, mask, kind=decay_kind)
+      links = [] if decoupled else [decay]
+      if gc:
+        links.append(_links.centralize_gradients())
+      links.append(direction(**hp))
+      if decoupled:
+        links.append(decay)
+      links.append(lr_link(lr))
     return optax.chain(*links)
 
   if groups is None:
@@ -185,34 +198,62 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
           raise TypeError(f"groups[{i}].weight_decay: decoupled decay takes a number or a "
                           f"schedule, not {type(g.weight_decay).__name__}.")
         g_kind, wd = _decay_form(g.weight_decay)
-        if g_kind != decay_kind and not _is_literal_zero(wd):
+        if g_kind != decay_kind and not _links._is_literal(wd, 0):
           raise ValueError(f"groups[{i}].weight_decay is {g_kind} but the optimizer's is {decay_kind}.")
       hp = dict(hyper)
       for key in ("b1", "b2", "eps"):
         value = getattr(g, key)
         if value is not None:
           if key == "eps":
-            _validate.check_positive(f"groups[{i}].eps", value)
+            _validate.check_eps(f"groups[{i}].eps", value)
           else:
-            _validate.check_open_unit(f"groups[{i}].{key}", value)
+            _validate.check_beta(f"groups[{i}].{key}", value)
           hp[key] = value
       # MindSpore: inside an explicit group, decay applies to every leaf (no name rule).
       transforms[g.name] = inner(lr, wd, None, g.grad_centralization, hp)
     body = optax.partition(transforms, _labeller(resolved))
 
-  links = [_links.check_inputs(dense_only)]
-  if not (isinstance(loss_scale, (int, float)) and loss_scale == 1.0):
-    links.append(_links.scale_by_loss_scale(loss_scale))
-  else:
-    _validate.check_positive("loss_scale", loss_scale)
+  links = [_links.check_inputs(dense_only, complex_ok=complex_ok),
+           _links.scale_by_loss_scale(loss_scale)]
   clip = _links.as_clip(grad_clip)
   if clip is not None:
     links.append(clip)
   links.append(body)
   tx = optax.chain(*links)
   if nonfinite == "skip":
-    tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
+    tx = skip_nonfinite(tx)
   return tx
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``optax.apply_if_finite(inner, max_consecutive_errors=inf)`` (same state), whose
+  skipped step returns zeros shaped like ``inner``'s updates rather than like the
+  gradient: a non-lazy sparse optimizer turns a RowSparse gradient into a dense update."""
+
+  def init_fn(params):
+    return optax.ApplyIfFiniteState(
+        notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True, jnp.bool_),
+        total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra):
+    leaves = jax.tree.leaves(updates)
+    isfinite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves], jnp.bool_))
+
+    def apply():
+      return inner.update(updates, state.inner_state, params, **extra)
+
+    def skip():
+      shapes = jax.eval_shape(apply)[0]
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state
+
+    new_updates, inner_state = jax.lax.cond(isfinite, apply, skip)
+    bump = lambda c: jnp.where(isfinite, c, optax.safe_increment(c))  # noqa: E731
+    return new_updates, optax.ApplyIfFiniteState(
+        notfinite_count=jnp.where(isfinite, 0, optax.safe_increment(state.notfinite_count)),
+        last_finite=isfinite, total_notfinite=bump(state.total_notfinite),
+        inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _decay_form(weight_decay):
@@ -226,7 +267,3 @@ def _decay_form(weight_decay):
     return kind, value
   _validate.check_non_negative("weight_decay", value)
   return kind, value
-
-
-def _is_literal_zero(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0

@@ -23,22 +23,28 @@ from adamkit._sparse_types import RowSparse, gather_rows, is_row_sparse, map_val
 # ---------------------------------------------------------------------------- checks
 
 
-def check_inputs(dense_only: str | None = None) -> optax.GradientTransformation:
-  """Rejects integer params at ``init`` and gradients that do not match the params (and,
-  with ``dense_only`` naming the optimizer, row-sparse gradients).
+def check_inputs(dense_only: str | None = None, *,
+                 complex_ok: bool = False) -> optax.GradientTransformation:
+  """Rejects integer params at ``init`` (complex ones too unless ``complex_ok``) and
+  gradients that do not match the params (and, with ``dense_only`` naming the optimizer,
+  row-sparse gradients).
 
   Stateless; every check happens while tracing, so it costs nothing in the compiled step.
   """
 
   def init_fn(params):
-    _validate.check_float_params(params)
+    _validate.check_float_params(params, complex_ok=complex_ok)
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
     if dense_only:
       _validate.check_dense_grads(updates, dense_only)
+    else:
+      _validate.check_row_ids_untouched(updates)
     _validate.check_matching_trees(updates, params)
-    return updates, state
+    # Python-number gradients (optax accepts them) become arrays for the links after this.
+    as_array = lambda g: g if hasattr(g, "dtype") else jnp.asarray(g)  # noqa: E731
+    return jax.tree.map(as_array, updates, is_leaf=is_row_sparse), state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -51,12 +57,15 @@ def scale_by_loss_scale(loss_scale: float) -> optax.GradientTransformation:
 
   MindSpore's ``loss_scale`` argument (used with ``FixedLossScaleManager(drop_overflow_
   update=False)``): the gradients arrive multiplied by ``s`` and are restored here, before
-  clipping and weight decay, so the decay term is ``wd * w`` whatever ``s`` is.
+  clipping and weight decay, so the decay term is ``wd * w`` whatever ``s`` is. Stateless;
+  a literal ``1.0`` leaves the gradients untouched.
   """
   _validate.check_positive("loss_scale", loss_scale)
 
   def update_fn(updates, state, params=None):
     del params
+    if _is_literal(loss_scale, 1):
+      return updates, state
     inv = 1.0 / jnp.asarray(loss_scale, jnp.float32)
     unscale = lambda g: map_values(lambda x: x * inv.astype(x.dtype), g)  # noqa: E731
     return jax.tree.map(unscale, updates, is_leaf=is_row_sparse), state
@@ -96,33 +105,81 @@ GradClip = Union[None, ClipGradByGlobalNorm, ClipGradByNorm, ClipGradByValue,
                  optax.GradientTransformation]
 
 
+def _sq_norm(g) -> jax.Array:
+  r""":math:`\|g\|_2^2` in float32 (or wider); for a :class:`RowSparse` the norm of its
+  dense equivalent, duplicate ids summed first."""
+  if isinstance(g, RowSparse):
+    g = g.coalesce().values
+  g = g.astype(compute_dtype(g))
+  return jnp.sum(jnp.abs(g) ** 2 if jnp.iscomplexobj(g) else g * g).astype(jnp.float32)
+
+
+def _scaled_by(g, factor):
+  def scale(x):
+    dt = compute_dtype(x)
+    return (x.astype(dt) * factor.astype(dt)).astype(x.dtype)
+  return map_values(scale, g)
+
+
+def clip_by_global_norm(clip_norm: float) -> optax.GradientTransformation:
+  r"""Global L2-norm clipping (Paddle ``ClipGradByGlobalNorm``):
+  :math:`g \leftarrow g \cdot c / \max(\|g\|_2, c)`, the norm over every leaf together.
+
+  As ``optax.clip_by_global_norm`` for dense leaves; a :class:`RowSparse` leaf counts
+  with the norm of its dense equivalent (duplicate ids summed) and keeps its ids.
+  """
+  _validate.check_positive("clip_norm", clip_norm)
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves = [g for g in jax.tree.leaves(updates, is_leaf=is_row_sparse) if g is not None]
+    norm = jnp.sqrt(sum((_sq_norm(g) for g in leaves), jnp.zeros([], jnp.float32)))
+    factor = clip_norm / jnp.maximum(norm, clip_norm)
+    return jax.tree.map(lambda g: _scaled_by(g, factor), updates, is_leaf=is_row_sparse), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
 def clip_by_norm(clip_norm: float) -> optax.GradientTransformation:
-  """Per-leaf L2-norm clipping (Paddle ``ClipGradByNorm``)."""
+  """Per-leaf L2-norm clipping (Paddle ``ClipGradByNorm``); a :class:`RowSparse` leaf
+  counts with the norm of its dense equivalent."""
   _validate.check_positive("clip_norm", clip_norm)
 
   def update_fn(updates, state, params=None):
     del params
 
     def clip(g):
-      g32 = g.astype(compute_dtype(g))
-      norm = jnp.sqrt(jnp.sum(g32 * g32))
-      factor = clip_norm / jnp.maximum(norm, clip_norm)
-      return (g32 * factor).astype(g.dtype)
+      factor = clip_norm / jnp.maximum(jnp.sqrt(_sq_norm(g)), clip_norm)
+      return _scaled_by(g, factor)
 
-    return jax.tree.map(clip, updates), state
+    return jax.tree.map(clip, updates, is_leaf=is_row_sparse), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
 
 def clip_by_value(max_value: float, min_value: float | None = None):
-  """Element-wise clipping to ``[min_value, max_value]`` (Paddle ``ClipGradByValue``)."""
+  """Element-wise clipping to ``[min_value, max_value]`` (Paddle ``ClipGradByValue``).
+
+  A :class:`RowSparse` leaf is coalesced first (duplicate ids summed), so what is clipped
+  is its dense equivalent; its zero rows stay zero when ``min <= 0 <= max``.
+  """
   lo = -max_value if min_value is None else min_value
   if not lo < max_value:
     raise ValueError(f"`min` must be < `max` for ClipGradByValue, got min={lo}, max={max_value}.")
 
+  def clip(g):
+    if isinstance(g, RowSparse):
+      if not lo <= 0 <= max_value:
+        raise ValueError(
+            f"ClipGradByValue(min={lo}, max={max_value}) moves the zero rows a RowSparse "
+            "gradient leaves out; only a range that holds 0 keeps the gradient sparse.")
+      g = g.coalesce()
+      return g.with_values(jnp.clip(g.values, lo, max_value).astype(g.dtype))
+    return jnp.clip(g, lo, max_value).astype(g.dtype)
+
   def update_fn(updates, state, params=None):
     del params
-    return jax.tree.map(lambda g: jnp.clip(g, lo, max_value).astype(g.dtype), updates), state
+    return jax.tree.map(clip, updates, is_leaf=is_row_sparse), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
@@ -132,8 +189,7 @@ def as_clip(grad_clip: GradClip) -> optax.GradientTransformation | None:
   if grad_clip is None:
     return None
   if isinstance(grad_clip, ClipGradByGlobalNorm):
-    _validate.check_positive("clip_norm", grad_clip.clip_norm)
-    return optax.clip_by_global_norm(grad_clip.clip_norm)
+    return clip_by_global_norm(grad_clip.clip_norm)
   if isinstance(grad_clip, ClipGradByNorm):
     return clip_by_norm(grad_clip.clip_norm)
   if isinstance(grad_clip, ClipGradByValue):
@@ -169,6 +225,10 @@ class AddDecayState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken; drives a weight-decay schedule
 
 
+def _is_literal(value, number) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == number
+
+
 def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
               kind: str = "l2") -> optax.GradientTransformation:
   r"""Adds an L2 (:math:`g + \lambda_t w`) or L1 (:math:`g + \lambda_t\,\mathrm{sign}(w)`)
@@ -176,20 +236,26 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
 
   ``weight_decay`` is a number ``>= 0`` or a schedule ``count -> value`` (MindSpore's
   dynamic weight decay). This is coupled L2 decay, as in MindSpore ``nn.Adam`` and Paddle
-  ``Adam(weight_decay=float)``, not AdamW's decoupled decay.
+  ``Adam(weight_decay=float)``, not AdamW's decoupled decay. The state is
+  :class:`AddDecayState` for a schedule and ``optax.EmptyState`` for a number (the same
+  structure whether the number is a Python float or an injected array); a literal ``0``
+  leaves the gradients untouched and needs no ``params``.
   """
   _validate.check_choice("kind", kind, ("l2", "l1"))
-  if not callable(weight_decay):
+  scheduled = callable(weight_decay)
+  if not scheduled:
     _validate.check_non_negative("weight_decay", weight_decay)
 
   def init_fn(params):
     del params
-    return AddDecayState(count=jnp.zeros([], jnp.int32))
+    return AddDecayState(count=jnp.zeros([], jnp.int32)) if scheduled else optax.EmptyState()
 
   def update_fn(updates, state, params=None):
+    if _is_literal(weight_decay, 0):
+      return updates, state
     if params is None:
       raise ValueError("Weight decay needs `params`: call `update(grads, state, params)`.")
-    wd = _schedules.scalar_or_schedule(weight_decay, state.count)
+    wd = _schedules.scalar_or_schedule(weight_decay, state.count if scheduled else 0)
     keep = _masks.resolve_mask(mask, params)
 
     def decay(g, w, k):
@@ -203,7 +269,9 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
 
     new = jax.tree.map(decay, updates, params, keep,
                        is_leaf=lambda x: x is None or is_row_sparse(x))
-    return new, AddDecayState(count=optax.safe_increment(state.count))
+    if scheduled:
+      state = AddDecayState(count=optax.safe_increment(state.count))
+    return new, state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -297,7 +365,10 @@ def scale_by_learning_rate(learning_rate: _schedules.ScalarOrSchedule
     del params
     lr = _lr_at(schedule, state.count)
     count = optax.safe_increment(state.count)
-    scale = lambda u: (-lr * u.astype(compute_dtype(u))).astype(u.dtype)  # noqa: E731
+    def scale(u):
+      dt = compute_dtype(u)
+      return (-lr.astype(dt) * u.astype(dt)).astype(u.dtype)
+
     new = jax.tree.map(lambda u: map_values(scale, u), updates, is_leaf=is_row_sparse)
     return new, ScaleByLearningRateState(count=count, learning_rate=_lr_at(schedule, count))
 

@@ -235,7 +235,10 @@ def offload_state(state: Any, params: Any, *, shardings: Any = None,
   Use it after restoring a checkpoint (``numpy`` arrays, or arrays in device memory) to put
   an offloaded optimizer's state back where ``ak.offload`` keeps it. (The offloaded
   ``update`` also moves a state it finds in device memory, but donation then fails for
-  that one step.)
+  that one step.) Always copies: orbax restores arrays whose sharding names
+  ``pinned_host`` while their type says device memory (``float32[N, D]``, not
+  ``float32<host>[N, D]``), which the host gather of a sparse state refuses; a copy gives
+  them the host type.
 
   Examples:
     >>> import numpy as np, jax, jax.numpy as jnp, adamkit as ak
@@ -247,7 +250,8 @@ def offload_state(state: Any, params: Any, *, shardings: Any = None,
     {'pinned_host'}
   """
   return jax.device_put(
-      state, offload_shardings(state, params, shardings=shardings, memory_kind=memory_kind))
+      state, offload_shardings(state, params, shardings=shardings, memory_kind=memory_kind),
+      may_alias=False)
 
 
 # ----------------------------------------------------------- sparse: touched rows only
@@ -292,6 +296,7 @@ def _update_touched_rows(inner, updates, state, params, extra):
   sparse Adam); returns ``None`` when ``inner`` answers a sparse gradient with a dense
   update (``lazy=False``: every row moves), and the caller moves the whole state instead.
   """
+  _validate.check_row_ids_untouched(updates)  # before the ids index the host gather
   g_flat, g_def = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)
   tables = {}  # path -> (global ids (k,), num_rows N, row shape)
   reduced_g = []
@@ -384,7 +389,7 @@ def _explain_host_tracing():
         "ak.offload(mode='compute') could not trace this transform's update on the "
         "host-resident state: it creates arrays of its own (zeros, a lax.cond branch), "
         "which JAX types as device memory, and combines them with host-resident ones. "
-        "Known cases: optax.clip_by_global_norm (ak.ClipGradByGlobalNorm), "
+        "Known cases: optax.clip_by_global_norm (ak.ClipGradByGlobalNorm works), "
         "optax.apply_if_finite (nonfinite='skip'), optax.adafactor, ak.sparse_adam. Use "
         "mode='state' for this transform: its state still lives in host memory between "
         "steps (for sparse tables only the touched rows travel)."

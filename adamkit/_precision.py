@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _validate
+from adamkit._sparse_types import RowSparse, gather_rows, map_values, safe_ids, scatter_rows
 
 
 class MasterWeightsState(NamedTuple):
@@ -100,22 +101,33 @@ def master_weights(tx: optax.GradientTransformation, *,
       raise ValueError("master_weights needs `params`: call `update(grads, state, params)`.")
     _validate.check_matching_trees(updates, params)
     full_params = full(state.master, params)
-    grads32 = jax.tree.map(lambda g, m: g if m is None else g.astype(master_dtype), updates,
-                           state.master, is_leaf=lambda x: x is None)
+    to32 = lambda x: x.astype(master_dtype)  # noqa: E731
+    grads32 = jax.tree.map(lambda m, g: g if m is None else map_values(to32, g), state.master,
+                           updates, is_leaf=lambda x: x is None)
     inner_upd, inner = tx.update(grads32, state.inner, full_params, **extra)
 
-    def step(u, m, p):
-      if m is None:
-        return u, None
-      new_master = (m + u.astype(master_dtype)).astype(master_dtype)
-      delta = new_master.astype(p.dtype).astype(master_dtype) - p.astype(master_dtype)
-      return delta.astype(p.dtype), new_master
+    none = lambda x: x is None  # noqa: E731
 
-    out = jax.tree.map(step, inner_upd, state.master, params, is_leaf=lambda x: x is None)
-    treedef = jax.tree.structure(params)
-    pairs = treedef.flatten_up_to(out)
-    new_updates = treedef.unflatten([a for a, _ in pairs])
-    master = treedef.unflatten([b for _, b in pairs])
+    def advance(u, m):
+      if m is None:
+        return None
+      if isinstance(u, RowSparse):  # lazy sparse step: only the touched rows of the master
+        return scatter_rows(m, safe_ids(u.indices, u.num_rows), u.values, add=True)
+      return (m + u.astype(master_dtype)).astype(master_dtype)
+
+    def delta(new_master, p, u):
+      if new_master is None:
+        return u
+      if isinstance(u, RowSparse):  # a RowSparse update of the same rows, O(k)
+        ids = safe_ids(u.indices, u.num_rows)
+        rows = gather_rows(new_master, ids)
+        d = rows.astype(p.dtype).astype(master_dtype) - gather_rows(p, ids).astype(master_dtype)
+        return u.with_values(d.astype(p.dtype))
+      d = new_master.astype(p.dtype).astype(master_dtype) - p.astype(master_dtype)
+      return d.astype(p.dtype)
+
+    master = jax.tree.map(lambda m, u: advance(u, m), state.master, inner_upd, is_leaf=none)
+    new_updates = jax.tree.map(delta, master, params, inner_upd, is_leaf=none)
     return new_updates, MasterWeightsState(master=master, inner=inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

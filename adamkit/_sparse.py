@@ -314,19 +314,22 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
                 b2: float = 0.999, eps: float = 1e-8, *, lazy: bool = True,
                 eps_mode: str = "hat", nesterov: bool = False, weight_decay: Any = 0.0,
                 weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
-                loss_scale: float = 1.0, unique_ids: bool = False, mu_dtype: Any = None,
+                loss_scale: float = 1.0, grad_clip: Any = None, groups=None,
+                unique_ids: bool = False, mu_dtype: Any = None,
                 nonfinite: str = "propagate", backend: str = "auto") -> optax.GradientTransformation:
   r"""Adam for trees mixing :class:`adamkit.RowSparse` (embedding) and dense gradients.
 
   .. math::
 
     g &\leftarrow g / s \quad \text{(loss scale)} \\
+    g &\leftarrow \mathrm{clip}(g) \quad \text{(norms of the dense equivalent)} \\
     g_j &\leftarrow g_j + \lambda_t w_{i_j} \quad \text{(decay, each sparse id } i_j
       \text{; every element of a dense leaf)} \\
     u &\leftarrow \mathtt{scale\_by\_sparse\_adam}(g) \\
     w &\leftarrow w - \alpha_t u \quad \text{(with } \mathtt{ak.apply\_updates}\text{)}
 
-  The chain is ``check -> unscale -> decay -> scale_by_sparse_adam -> -lr``. Dense leaves
+  The chain is ``check -> unscale -> clip -> [decay -> scale_by_sparse_adam -> -lr]``, the
+  bracket once per parameter group. Dense leaves
   get ordinary Adam. Use :func:`adamkit.apply_updates` (not ``optax.apply_updates``): in
   lazy mode the updates of sparse leaves are ``RowSparse`` row deltas that it scatters,
   in place when the params and state are donated to ``jax.jit``.
@@ -340,6 +343,11 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
       leaf only the touched rows decay.
     weight_decay_mask: which leaves decay, as in :func:`adamkit.adam`.
     loss_scale: gradients are divided by it first, > 0.
+    grad_clip: ``ak.ClipGradByGlobalNorm``, ``ak.ClipGradByNorm`` or ``ak.ClipGradByValue``.
+      A ``RowSparse`` leaf is clipped as its dense equivalent: its norm is that of the
+      table gradient with duplicate ids summed, and value clipping merges duplicates first.
+    groups: parameter groups, as in :func:`adamkit.adam` (``grad_centralization`` is
+      refused for a sparse optimizer).
     unique_ids: skip merging duplicate ids (the caller guarantees there are none).
     nonfinite: ``"propagate"`` or ``"skip"``, as in :func:`adamkit.adam`.
     backend: ``"auto"``, ``"kernel"`` or ``"xla"``, see :func:`scale_by_sparse_adam`; pass
@@ -354,8 +362,11 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     MindSpore (``nn.Adam`` decays the ``RowTensor`` values, then the fused op sums them):
     a row looked up ``c`` times in a batch decays ``c`` times. Inside ``jax.jit``, ids
     outside ``[0, N)`` are dropped, not reported (see :func:`adamkit.check_row_ids`).
-    No gradient clipping or parameter groups (use ``optax.chain`` with care: global-norm
-    clipping of an unmerged ``RowSparse`` is not the dense norm). Bias correction uses the
+    ``optax.clip``, ``optax.clip_by_global_norm`` and ``optax.scale`` chained *before*
+    ``sparse_adam`` map over the row ids and are refused while tracing (a TypeError that
+    names ``grad_clip=`` and ``loss_scale=``); ``optax.zero_nans`` and
+    ``optax.apply_if_finite`` work. ``ak.ClipGradByValue`` merges duplicate ids first, so
+    decay then applies once per row. Bias correction uses the
     global step for every row, as MindSpore and ``torch.optim.SparseAdam``; Paddle's CPU
     row-sparse (``SelectedRows``) kernel uses step ``t + 1`` and gives other numbers.
 
@@ -371,11 +382,20 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     >>> print(params["emb"][jnp.array([0, 7, 42]), 0], params["w"][0])  # rows 7, 42 and w move
     [1.         0.90000004 0.90000004] 0.90000004
   """
-  _adam.check_adam_hyper(b1, b2, eps)
+  _adam.check_adam_hyper(b1, b2, eps, mu_dtype)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
   _validate.check_choice("backend", backend, _backend.BACKENDS)
+  if isinstance(grad_clip, optax.GradientTransformation):
+    raise TypeError(
+        "ak.sparse_adam's `grad_clip` must be ak.ClipGradByGlobalNorm, ak.ClipGradByNorm or "
+        "ak.ClipGradByValue (they clip a RowSparse gradient as its dense equivalent); an "
+        "optax transform would map over the row ids.")
+  for i, g in enumerate(groups or ()):
+    if getattr(g, "grad_centralization", None) or (
+        isinstance(g, dict) and g.get("grad_centralization")):
+      raise ValueError(f"groups[{i}].grad_centralization is not defined for ak.sparse_adam.")
 
   def direction(b1, b2, eps):
     return scale_by_sparse_adam(b1, b2, eps, lazy=lazy, eps_mode=eps_mode, nesterov=nesterov,
@@ -384,7 +404,7 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
   return _groups.build_named(
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
-      grad_clip=None, groups=None, nonfinite=nonfinite)
+      grad_clip=grad_clip, groups=groups, nonfinite=nonfinite)
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates, *,

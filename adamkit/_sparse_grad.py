@@ -45,6 +45,18 @@ class GatheredRows:
   def shape(self):
     return (self.num_rows, *self.rows.shape[1:])
 
+  @property
+  def dtype(self):
+    return self.rows.dtype
+
+  def _refuse(self, *args, **kwargs):
+    raise TypeError(
+        "value_and_sparse_grad: a table named in `ids` was read other than through "
+        "ak.lookup (Flax's nnx.Embed reads `self.embedding[...]`). Look it up with "
+        "`ak.lookup(self.embedding, ids)` inside the module; see docs/nnx.md.")
+
+  __getitem__ = __array__ = __jax_array__ = _refuse
+
   def __repr__(self):
     return f"GatheredRows(num_rows={self.num_rows}, ids_shape={self.ids_shape})"
 
@@ -57,13 +69,17 @@ def lookup(table: Any, ids: Any) -> jax.Array:
   ``[0, N)`` read zeros, consistently with adamkit's scatters, which drop them.
 
   Args:
-    table: an ``(N, *row_shape)`` array (or the stand-in ``value_and_sparse_grad`` passes).
+    table: an ``(N, *row_shape)`` array, a Flax NNX variable holding one (``nnx.Param``;
+      write ``ak.lookup(self.embedding, ids)`` in a module), or the stand-in
+      ``value_and_sparse_grad`` passes.
     ids: integer ids of any shape.
 
   Returns:
     The looked-up rows.
   """
   ids = jnp.asarray(ids)
+  if hasattr(table, "get_value") and not isinstance(table, jax.Array):  # an nnx.Variable
+    table = table.get_value()
   if isinstance(table, GatheredRows):
     if tuple(ids.shape) != table.ids_shape:
       raise ValueError(

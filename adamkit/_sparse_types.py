@@ -145,6 +145,16 @@ class RowSparse:
   A pytree whose children are ``indices`` and ``values``; ``num_rows`` is static. adamkit's
   links treat a ``RowSparse`` as one leaf standing for the whole table.
 
+  .. warning::
+    The ids are a pytree leaf (they must cross ``jit``), so ``jax.tree.map`` and optax's
+    gradient transforms see them. An optax transform that turns them into floats
+    (``optax.scale``, ``optax.clip``) is refused by adamkit's sparse optimizers while
+    tracing, and ``optax.clip_by_global_norm`` fails inside optax; ``optax.zero_nans`` and
+    ``optax.apply_if_finite`` leave them intact and work. Integer arithmetic over the whole
+    tree cannot be detected: ``jax.tree.map(lambda x: x * 3, g)`` multiplies the ids too,
+    and ``jax.tree.map(jnp.add, g1, g2)`` adds them. Change the values with
+    :meth:`with_values`, and concatenate two gradients' ids and values to add them.
+
   Args:
     indices: int32/int64 row ids, shape ``(k,)``.
     values: one row of gradient per id, shape ``(k, *row_shape)``, floating point.
@@ -168,6 +178,9 @@ class RowSparse:
   __slots__ = ("indices", "values", "num_rows")
 
   def __init__(self, indices: Any, values: Any, num_rows: int):
+    if isinstance(indices, (list, tuple)) and any(np.ndim(i) > 0 for i in indices):
+      raise TypeError("`indices` must be one 1-D integer array of row ids, got a "
+                      f"{type(indices).__name__} of arrays: concatenate them first.")
     num_rows = _check_num_rows(num_rows)
     indices, values = check_row_args(indices, values, num_rows)
     self.indices = indices
@@ -213,6 +226,25 @@ class RowSparse:
     else:
       zeros = jnp.zeros_like(like, dtype=self.values.dtype)
     return scatter_rows(zeros, ids, self.values, add=True)
+
+  def __add__(self, other: Any) -> Any:
+    """``dense + sparse``: the dense array with the rows added (duplicates add up, ids
+    outside ``[0, num_rows)`` dropped), so ``optax.apply_updates`` and ``nnx.Optimizer``
+    apply a lazy sparse update in ``O(k)``; ``sparse + sparse``: the ids and values
+    concatenated (the sum, uncoalesced)."""
+    if isinstance(other, RowSparse):
+      if other.shape != self.shape:
+        raise ValueError(f"Cannot add RowSparse gradients of dense shapes {self.shape} and "
+                         f"{other.shape}.")
+      ids = jnp.concatenate([self.indices, other.indices.astype(self.indices.dtype)])
+      values = jnp.concatenate([self.values, other.values.astype(self.values.dtype)])
+      return RowSparse.tree_unflatten(self.num_rows, (ids, values))
+    if not hasattr(other, "shape") or tuple(other.shape) != self.shape:
+      return NotImplemented
+    return scatter_rows(jnp.asarray(other), safe_ids(self.indices, self.num_rows), self.values,
+                        add=True)
+
+  __radd__ = __add__
 
   def coalesce(self) -> RowSparse:
     """Merges duplicate ids (values summed) with static shapes, so it works under jit.

@@ -57,6 +57,6 @@ def zero_moments(params, mu_dtype=None, nu_dtype=None):
   ``zeros_like`` keeps each param's sharding and memory kind, so no moment lands on one
   device first; two trees, because one buffer shared by mu and nu cannot be donated.
   """
-  mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params)
-  nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype or p.dtype), params)
+  mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params)
+  nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype), params)
   return mu, nu

@@ -4,11 +4,18 @@ All checks run when an optimizer is *built* (or, for tree checks, when ``init`` 
 ``update`` are traced), never inside the compiled step. Values that are JAX tracers
 (for example hyperparameters injected by ``optax.inject_hyperparams`` inside ``jit``)
 cannot be inspected and are let through; their concrete value was checked when the
-optimizer was first built outside the trace.
+optimizer was first built outside the trace (``inject_hyperparams`` builds it at ``init``
+with concrete arrays).
+
+Validate once, at the outer door: a named optimizer checks its options, then builds its
+primitives inside :func:`trusted`, where the value checks are skipped (the values handed
+down are the ones just checked). A primitive called directly checks its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
 from typing import Any
 
@@ -19,6 +26,23 @@ import numpy as np
 from adamkit._sparse_types import is_row_sparse
 from adamkit._tree import is_tracer as _is_tracer
 from adamkit._tree import path_name
+
+_TRUSTED = contextvars.ContextVar("adamkit_trusted", default=False)
+
+
+@contextlib.contextmanager
+def trusted():
+  """Within this block the hyperparameter checks below return at once: the caller (a
+  named optimizer) has already checked the values it hands down."""
+  token = _TRUSTED.set(True)
+  try:
+    yield
+  finally:
+    _TRUSTED.reset(token)
+
+
+def _skip() -> bool:
+  return _TRUSTED.get()
 
 
 def _concrete_scalar(name: str, value: Any) -> float | None:
@@ -39,15 +63,54 @@ def _concrete_scalar(name: str, value: Any) -> float | None:
   raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}.")
 
 
-def check_open_unit(name: str, value: Any) -> None:
-  """``value`` must lie in the open interval (0, 1) (betas)."""
+def check_beta(name: str, value: Any) -> None:
+  """``value`` must lie in [0, 1) (a moment's decay; 0 keeps no memory, as optax, PyTorch
+  and Paddle allow)."""
+  if _skip():
+    return
   v = _concrete_scalar(name, value)
-  if v is not None and not 0.0 < v < 1.0:
-    raise ValueError(f"`{name}` must be in the open range (0.0, 1.0), got {v}.")
+  if v is not None and not 0.0 <= v < 1.0:
+    raise ValueError(f"`{name}` must be in the range [0.0, 1.0), got {v}.")
+
+
+# float32's smallest normal number: XLA flushes smaller (subnormal) float32 values to zero,
+# so an ``eps`` below it becomes 0 inside the step and a zero gradient gives 0 / 0 = NaN.
+EPS_MIN = float(np.finfo(np.float32).tiny)
+
+
+def check_eps(name: str, value: Any) -> None:
+  """``value`` must be finite and at least float32's smallest normal number."""
+  if _skip():
+    return
+  v = _concrete_scalar(name, value)
+  if v is not None and not (EPS_MIN <= v and np.isfinite(v)):
+    raise ValueError(
+        f"`{name}` must be a finite number in [{EPS_MIN:.4g}, inf) (float32's smallest normal "
+        f"number; smaller values flush to zero in the float32 step), got {v}.")
+
+
+def check_dtype(name: str, value: Any, *, complex_ok: bool = True) -> Any:
+  """``None`` or a floating (or, with ``complex_ok``, complex) dtype; returns it as a
+  ``jnp.dtype`` (or ``None``). TypeError naming ``name`` for anything else."""
+  if value is None:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as err:
+    raise TypeError(f"`{name}` must be a floating-point dtype such as jnp.float32 or "
+                    f"jnp.bfloat16 (or None), got {value!r}: {err}.") from None
+  ok = jnp.issubdtype(dtype, jnp.floating) or (
+      complex_ok and jnp.issubdtype(dtype, jnp.complexfloating))
+  if not ok:
+    raise TypeError(f"`{name}` must be a floating-point dtype such as jnp.float32 or "
+                    f"jnp.bfloat16 (or None), got {dtype}: an integer moment would truncate.")
+  return dtype
 
 
 def check_positive(name: str, value: Any) -> None:
-  """``value`` must be a finite number > 0 (eps, loss_scale, clip norms)."""
+  """``value`` must be a finite number > 0 (loss_scale, clip norms)."""
+  if _skip():
+    return
   v = _concrete_scalar(name, value)
   if v is not None and not (v > 0.0 and np.isfinite(v)):
     raise ValueError(f"`{name}` must be a finite number > 0, got {v}.")
@@ -55,33 +118,47 @@ def check_positive(name: str, value: Any) -> None:
 
 def check_non_negative(name: str, value: Any) -> None:
   """``value`` must be a finite number >= 0 (learning rate, weight decay)."""
+  if _skip():
+    return
   v = _concrete_scalar(name, value)
   if v is not None and not (v >= 0.0 and np.isfinite(v)):
     raise ValueError(f"`{name}` must be a finite number >= 0, got {v}.")
 
 
 def check_bool(name: str, value: Any) -> None:
+  if _skip():
+    return
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"`{name}` must be a bool, got {value!r} ({type(value).__name__}).")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+  if _skip():
+    return
   if value not in choices:
     raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
 
 
-def check_float_params(params: Any, what: str = "params") -> None:
-  """Rejects integer, boolean and complex parameter leaves with the leaf's name."""
+def check_float_params(params: Any, what: str = "params", *, complex_ok: bool = False) -> None:
+  """Rejects integer and boolean parameter leaves (and complex ones unless ``complex_ok``)
+  with the leaf's name. Python floats are accepted, as optax does (they become float32
+  arrays); anything that is not a number names its leaf too."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = path_name(path) or "<root>"
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
+      if isinstance(leaf, (bool, np.bool_)) or not isinstance(leaf, numbers.Number):
+        raise TypeError(f"{what} leaf '{name}' is a {type(leaf).__name__}, not an array or "
+                        "a number.")
       dtype = np.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.floating):
+    ok = jnp.issubdtype(dtype, jnp.floating) or (
+        complex_ok and jnp.issubdtype(dtype, jnp.complexfloating))
+    if not ok:
+      kinds = "floating-point or complex" if complex_ok else "floating-point"
       raise TypeError(
-          f"adamkit optimizes floating-point parameters only; {what} leaf "
-          f"'{path_name(path) or '<root>'}' has dtype {dtype}. Keep integer or boolean "
-          "arrays out of the optimized tree (e.g. with optax.masked or optax.partition "
-          "and optax.set_to_zero).")
+          f"this optimizer takes {kinds} parameters only; {what} leaf '{name}' has dtype "
+          f"{dtype}. Keep integer or boolean arrays out of the optimized tree (e.g. with "
+          "optax.masked or optax.partition and optax.set_to_zero).")
 
 
 def check_matching_trees(updates: Any, reference: Any, *, what: str = "params") -> None:
@@ -114,3 +191,22 @@ def check_dense_grads(updates: Any, optimizer: str) -> None:
           "RowSparse. Use ak.sparse_adam (lazy=False is MindSpore nn.Adam's FusedSparseAdam, "
           "lazy=True its FusedSparseLazyAdam) or ak.fused_adam, or densify with "
           "`g.todense()`.")
+
+
+def check_row_ids_untouched(updates: Any) -> None:
+  """Raises a TypeError naming the first :class:`adamkit.RowSparse` leaf whose row ids are
+  no longer integers: an optax transform before the optimizer mapped over them
+  (``optax.scale``, ``optax.clip``, ``optax.clip_by_global_norm`` turn int ids into floats,
+  and a global norm that counts ids is wrong too). Checked while tracing, free at run time.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)[0]
+  for path, leaf in flat:
+    if is_row_sparse(leaf) and not jnp.issubdtype(leaf.indices.dtype, jnp.integer):
+      raise TypeError(
+          f"RowSparse gradient '{path_name(path) or '<root>'}' reached the optimizer with "
+          f"{leaf.indices.dtype} row ids: a transform before it (optax.scale, optax.clip, "
+          "optax.clip_by_global_norm, jax.tree.map...) mapped over the ids as if they were "
+          "gradient values. Ask the sparse optimizer instead: "
+          "ak.sparse_adam(grad_clip=ak.ClipGradByGlobalNorm(c) | ak.ClipGradByNorm(c) | "
+          "ak.ClipGradByValue(c), loss_scale=s, nonfinite='skip'), or transform the values "
+          "with g.with_values(...).")

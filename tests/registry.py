@@ -2,6 +2,12 @@
 
 A new optimizer or option joins ``REGISTRY`` (name -> factory(learning_rate) returning an
 ``optax.GradientTransformation``); every suite that takes the registry then covers it.
+``SPARSE`` names the entries that also take :class:`adamkit.RowSparse` gradients, and
+``REJECTED`` lists the (optimizer, idiom) pairs that raise a documented error instead of
+working, with the error's type and words: ``tests/test_composition.py`` checks both.
+
+The fused steps (``ak.fused_adam``, ``ak.fused_adamax``) join once they are
+``GradientTransformation``s (issue 11, item 4).
 """
 
 import optax
@@ -32,17 +38,37 @@ REGISTRY = {
     "adam_amsgrad": lambda lr: ak.adam(lr, amsgrad=True, weight_decay=0.01),
     "adam_amsgrad_corrected": lambda lr: ak.adam(lr, eps_mode="corrected", amsgrad=True,
                                                  nesterov=True),
+    "sparse_adam": lambda lr: ak.sparse_adam(lr),
+    "sparse_adam_dense_rows": lambda lr: ak.sparse_adam(lr, lazy=False),
+    "sparse_adam_full": lambda lr: ak.sparse_adam(
+        lr, weight_decay=0.01, loss_scale=4.0, grad_clip=ak.ClipGradByGlobalNorm(1.0),
+        groups=[ak.Group("bn.*", lr=0.001)], nonfinite="skip"),
+    "adam_offload": lambda lr: ak.adam_offload(lr),
+    "offload_adam_compute": lambda lr: ak.offload(ak.adam(lr), mode="compute"),
+    "offload_adam_state": lambda lr: ak.offload(ak.adam(lr), mode="state"),
+    "offload_adamax_state": lambda lr: ak.offload(ak.adamax(lr), mode="state"),
+    "offload_sparse_adam_state": lambda lr: ak.offload(ak.sparse_adam(lr), mode="state"),
+    "master_weights_adam": lambda lr: ak.master_weights(ak.adam(lr)),
+    "master_weights_adamax": lambda lr: ak.master_weights(ak.adamax(lr)),
+    "master_weights_sparse_adam": lambda lr: ak.master_weights(ak.sparse_adam(lr)),
+    "offload_adamw_amsgrad_state": lambda lr: ak.offload(ak.adamw(lr, amsgrad=True), mode="state"),
+    "master_weights_adamw": lambda lr: ak.master_weights(ak.adamw(lr)),
 }
-for _name in ("sparse_adam", "adam_offload"):  # written alongside; joined when present
-  if hasattr(ak, _name):
-    REGISTRY[_name] = (lambda f: lambda lr: f(lr))(getattr(ak, _name))
 
 NAMES = sorted(REGISTRY)
+
+# The entries that take RowSparse gradients (the others refuse them with a TypeError).
+SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",
+          "master_weights_sparse_adam")
 
 # MultiSteps' lax.cond cannot mix host-resident and device scalars, so an offloaded
 # optimizer is accumulated the other way round: the offload wraps MultiSteps (documented
 # in ak.offload).
-MULTISTEPS = {}
-if hasattr(ak, "adam_offload"):
-  MULTISTEPS["adam_offload"] = lambda lr: ak.offload(
-      optax.MultiSteps(ak.adam(lr), every_k_schedule=2).gradient_transformation(), mode="state")
+MULTISTEPS = {
+    name: (lambda f: lambda lr: ak.offload(
+        optax.MultiSteps(f(lr), every_k_schedule=2).gradient_transformation(), mode="state"))(
+            inner)
+    for name, inner in (("adam_offload", ak.adam), ("offload_adam_compute", ak.adam),
+                        ("offload_adam_state", ak.adam), ("offload_adamax_state", ak.adamax),
+                        ("offload_sparse_adam_state", ak.sparse_adam))
+}

@@ -121,3 +121,61 @@ def test_glob_rules_match_nnx_variable_names():
   mask = ak.masks.match_names("*.kernel").mask(state)
   flat = jax.tree.leaves(mask)
   assert sorted(flat) == [False, True]
+
+
+def test_nnx_embed_inside_value_and_sparse_grad_names_the_way():
+  """nnx.Embed reads the whole table; value_and_sparse_grad says to use ak.lookup."""
+  emb = nnx.Embed(10, 3, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(emb)
+
+  def loss(p, ids):
+    return jnp.sum(nnx.merge(graphdef, p, copy=True)(ids))
+
+  with pytest.raises(TypeError, match=r"ak\.lookup\(self\.embedding, ids\)"):
+    ak.value_and_sparse_grad(loss)(params, {"embedding": jnp.array([1, 2])}, jnp.array([1, 2]))
+
+
+class _Tower(nnx.Module):
+  def __init__(self, rngs):
+    self.embedding = nnx.Param(jax.random.normal(rngs.params(), (20, 3)))
+    self.w = nnx.Param(jnp.ones(3))
+
+  def __call__(self, ids):
+    return ak.lookup(self.embedding, ids) @ self.w[...]
+
+
+def test_nnx_sparse_training_matches_plain_sparse_adam():
+  """nnx.Optimizer + ak.sparse_adam on RowSparse gradients == the same run on a dict."""
+  ids, y = jnp.array([4, 9, 4]), jnp.array([1.0, -2.0, 0.5])
+  model = _Tower(nnx.Rngs(0))
+  start = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  opt = nnx.Optimizer(model, ak.sparse_adam(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    pure = lambda p: jnp.mean((nnx.merge(graphdef, p, rest, copy=True)(ids) - y) ** 2)  # noqa: E731
+    _, grads = ak.value_and_sparse_grad(pure)(params, {"embedding": ids})
+    g = grads["embedding"]
+    assert isinstance(g.get_value() if hasattr(g, "get_value") else g, ak.RowSparse)
+    opt.update(model, grads)
+
+  for _ in range(3):
+    step(model, opt)
+  got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+  def loss(p, ids, y):
+    return jnp.mean((ak.lookup(p["embedding"], ids) @ p["w"] - y) ** 2)
+
+  tx, p = ak.sparse_adam(0.1), start
+  state = tx.init(p)
+  for _ in range(3):
+    _, g = ak.value_and_sparse_grad(loss)(p, {"embedding": ids}, ids, y)
+    u, state = tx.update(g, state, p)
+    p = ak.apply_updates(p, u)
+  np.testing.assert_allclose(got["embedding"], p["embedding"], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(got["w"], p["w"], rtol=1e-6, atol=1e-7)
+  untouched = np.setdiff1d(np.arange(20), np.asarray(ids))
+  np.testing.assert_array_equal(got["embedding"][untouched], start["embedding"][untouched])
+  assert float(ak.get_lr(opt)) == pytest.approx(0.1)
+  assert float(ak.get_lr(nnx.to_pure_dict(nnx.state(opt))["opt_state"])) == pytest.approx(0.1)

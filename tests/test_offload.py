@@ -517,8 +517,24 @@ def test_backend_without_host_compute_points_to_state_mode(monkeypatch):
 @needs_host
 @pytest.mark.parametrize("make_tx", [
     lambda: ak.adam(0.1, grad_clip=ak.ClipGradByGlobalNorm(1.0)),
-      lambda: ak.adam(0.1, nonfinite="skip"),
-], ids=["global-norm-clip", "skip-nonfinite"])
+    lambda: ak.adam(0.1, grad_clip=ak.ClipGradByNorm(1.0), loss_scale=4.0),
+], ids=["global-norm-clip", "norm-clip"])
+def test_clipping_runs_in_the_default_compute_mode(make_tx):
+  """adamkit's clip links trace on the host (optax.clip_by_global_norm's lax.select did not)."""
+  params = make_params()
+  g = grads_at(params, 0.0)
+  tx, ref = ak.offload(make_tx(), mode="compute"), make_tx()
+  u, s = tx.update(g, tx.init(params), params)
+  v, _ = ref.update(g, ref.init(params), params)
+  assert kinds(s) == {HOST}
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+@needs_host
+@pytest.mark.parametrize("make_tx", [
+    lambda: ak.adam(0.1, nonfinite="skip"),
+], ids=["skip-nonfinite"])
 def test_untraceable_on_host_points_to_state_mode(make_tx):
   params = make_params()
   g = grads_at(params, 0.0)

@@ -396,7 +396,7 @@ def test_clear_errors_for_malformed_input():
     tx.update({"s": ak.RowSparse(np.array([0]), np.ones((1,)), 1)}, tx.init(scalar), scalar)
   with pytest.raises(ValueError, match=r"`beta1_power` must be a scalar or have shape \(1,\)"):
     ak.fused_sparse_adam(z, z, z, np.ones(2), 0.999, 0.1, 0.9, 0.999, 1e-8, g, np.array([0, 1]))
-  with pytest.raises(ValueError, match="`b1` must be in the open range"):
+  with pytest.raises(ValueError, match="`b1` must be in the range"):
     ak.sparse_adam(b1=1.0)
 
 
