@@ -70,5 +70,6 @@ MULTISTEPS = {
             inner)
     for name, inner in (("adam_offload", ak.adam), ("offload_adam_compute", ak.adam),
                         ("offload_adam_state", ak.adam), ("offload_adamax_state", ak.adamax),
-                        ("offload_sparse_adam_state", ak.sparse_adam))
+                        ("offload_sparse_adam_state", ak.sparse_adam),
+                        ("offload_adamw_amsgrad_state", lambda lr: ak.adamw(lr, amsgrad=True)))
 }
