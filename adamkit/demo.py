@@ -147,6 +147,11 @@ OPTIMIZERS: dict[str, Entry] = {
     "adam_offload": Entry("ak.adam_offload (host state)", lambda lr: ak.adam_offload(lr),
                           same_as=("adam", "the same maths, bit for bit")),
     "sparse_adam": Entry("ak.sparse_adam (lazy)", lambda lr: ak.sparse_adam(lr), sparse=True),
+    "adamw": Entry("ak.adamw (wd 1e-4)", lambda lr: ak.adamw(lr, weight_decay=1e-4),
+                   same_as=("optax_adamw", "no beta/gamma names here, so the same decoupled "
+                                           "update, to float32 rounding")),
+    "optax_adamw": Entry("optax.adamw (wd 1e-4)", lambda lr: optax.adamw(lr, weight_decay=1e-4),
+                         strict_promotion_ok=False),
 }
 
 
