@@ -234,7 +234,8 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   with :math:`n`, ``eps_mode``, ``bias_correction`` and ``amsgrad`` as in
   :func:`adamkit.scale_by_adam` (with ``amsgrad`` the running maximum
   :math:`\bar v_i = \max(\bar v_i, v_i)` replaces :math:`v_i`, and in lazy mode it moves
-  on the touched rows only, like :math:`m` and :math:`v`) and :math:`t` the global step. Lazy mode returns a ``RowSparse`` of row updates (unique ids) that
+  on the touched rows only, like :math:`m` and :math:`v`) and :math:`t` the global step.
+  Lazy mode returns a ``RowSparse`` of row updates (unique ids) that
   :func:`adamkit.apply_updates` scatters; rows not in :math:`I` keep their moments
   bit-identical. Non-lazy mode returns a dense update and costs ``O(N)``.
 
