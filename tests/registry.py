@@ -32,6 +32,11 @@ REGISTRY = {
     "adam_amsgrad": lambda lr: ak.adam(lr, amsgrad=True, weight_decay=0.01),
     "adam_amsgrad_corrected": lambda lr: ak.adam(lr, eps_mode="corrected", amsgrad=True,
                                                  nesterov=True),
+    # issue 13: lazy AMSGrad and lazy AdamW (dense leaves here; row-sparse in test_sparse.py)
+    "sparse_adam_amsgrad": lambda lr: ak.sparse_adam(lr, amsgrad=True, weight_decay=0.01),
+    "sparse_adamw": lambda lr: ak.sparse_adamw(lr),
+    "sparse_adamw_amsgrad_mindspore": lambda lr: ak.sparse_adamw(
+        lr, weight_decay=0.05, amsgrad=True, bias_correction=False, eps_mode="hat"),
 }
 for _name in ("sparse_adam", "adam_offload"):  # written alongside; joined when present
   if hasattr(ak, _name):
