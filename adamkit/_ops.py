@@ -7,9 +7,12 @@ FMA). Every operation checks its buffers against each other here, before either 
 runs, so a malformed state is a ``ValueError``, never a broadcast, a silent wrong row or
 a write outside a buffer.
 
-Moments are passed as buffers plus an optional offset: ``m_at=None`` means ``m`` is the
-leaf's own array (shaped like the param); an int means the leaf's moment lies flat in the
-1-D buffer ``m`` from that element (the multi-tensor layout of ``ak.fused_adam``).
+The state of a step is a tuple of moment buffers, ``(m, v)``, or ``(m, v, vmax)`` with
+AMSGrad (:attr:`Hyper.amsgrad`), each with an optional offset: ``None`` means the buffer is
+the leaf's own array (shaped like the param); an int means the leaf's moment lies flat in
+the 1-D buffer from that element (the multi-tensor layout of ``ak.fused_adam``). The rule
+of a step (eps placement, Nesterov, AMSGrad, L2 or decoupled decay, bias correction or
+none) is its :class:`Hyper`.
 """
 
 from __future__ import annotations
