@@ -19,7 +19,14 @@ from adamkit._adamw import adamw
 from adamkit._checkpoint import get_lr, load_state_dict, set_lr, state_dict
 
 # Speed and precision: the one-pass fused step, master weights, float32 hyperparameters.
-from adamkit._fused import FusedAdamState, FusedStep, fused_adam, fused_adamax
+from adamkit._fused import (
+    FusedAdamState,
+    FusedAmsgradState,
+    FusedStep,
+    fused_adam,
+    fused_adamax,
+    fused_adamw,
+)
 from adamkit._groups import Group
 from adamkit._interop import from_mindspore_state, from_paddle_state
 from adamkit._kernels import build_cpu_kernel, cpu_kernel_available
@@ -53,6 +60,7 @@ from adamkit._sparse import (
     fused_sparse_lazy_adam,
     scale_by_sparse_adam,
     sparse_adam,
+    sparse_adamw,
 )
 from adamkit._sparse_grad import GatheredRows, lookup, sparse_grad, value_and_sparse_grad
 from adamkit._sparse_types import RowSparse
@@ -67,7 +75,8 @@ __all__ = [
     "clip_by_norm", "centralize_gradients", "scale_by_learning_rate",
     "ScaleByLearningRateState", "scale_by_loss_scale",
     # AdamW and AMSGrad
-    "adamw", "add_decoupled_decay", "ScaleByAmsgradState",
+    "adamw", "add_decoupled_decay", "ScaleByAmsgradState", "fused_adamw", "FusedAmsgradState",
+    "sparse_adamw",
     # state
     "get_lr", "set_lr", "state_dict", "load_state_dict", "from_mindspore_state", "from_paddle_state",
     # sparse

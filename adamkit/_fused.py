@@ -1,4 +1,4 @@
-"""The fused step: Adam and AdaMax in one pass over memory, params included.
+"""The fused step: Adam, AdamW, AMSGrad and AdaMax in one pass over memory, params included.
 
 Why a separate API. An optax ``GradientTransformation`` returns *updates*, and
 ``optax.apply_updates`` adds them to the params afterwards; XLA:CPU then emits an Adam step as
@@ -14,6 +14,10 @@ step on each row-sparse leaf; whether the C++ kernel or XLA computes it is decid
 of all leaves of a dtype are one flat buffer, so one kernel call updates a run of up to 32
 float32 leaves (300 small leaves: 10 launches, not 900 loops); on XLA each leaf's moments
 are written back into the flat buffers with ``dynamic_update_slice``.
+
+AdamW (:func:`fused_adamw`) adds its decoupled decay to the direction in the same pass;
+AMSGrad (``amsgrad=True``) keeps a third buffer, the running maximum of the second moment,
+laid out as the second moment (36 bytes per float32 parameter instead of 28).
 
 The reference is the named optimizer: for the options it accepts,
 ``fused_adam(...).step(p, s, g)[0]`` equals ``optax.apply_updates(p, adam(...).update(g, s2,
@@ -35,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from adamkit import _adam, _backend, _masks, _ops, _schedules, _validate
+from adamkit import _adam, _backend, _links, _masks, _ops, _schedules, _validate
 from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
 from adamkit._tree import leaf_names, zero_moments
 
@@ -50,22 +54,31 @@ class FusedAdamState(NamedTuple):
   nu: Any
 
 
+class FusedAmsgradState(NamedTuple):
+  """The state of a fused step with ``amsgrad=True``: :class:`FusedAdamState`'s, plus the
+  running maximum."""
+
+  count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
+  mu: Any  # first moment, as in FusedAdamState
+  nu: Any  # second moment, as in FusedAdamState
+  nu_max: Any  # max of every nu so far (raw, not bias-corrected), laid out and typed as nu
+
+
 class FusedStep(NamedTuple):
   """A fused optimizer: ``init(params) -> state`` and ``step(params, state, grads) ->
   (params, state)``. Jit ``step`` with ``donate_argnums=(0, 1)``: the kernel then updates
   params and state in place."""
 
-  init: Callable[[optax.Params], FusedAdamState]
-  step: Callable[[optax.Params, FusedAdamState, optax.Updates],
-                 tuple[optax.Params, FusedAdamState]]
+  init: Callable[[optax.Params], FusedAdamState | FusedAmsgradState]
+  step: Callable[[optax.Params, Any, optax.Updates], tuple[optax.Params, Any]]
 
 
 class _Leaf(NamedTuple):
   """One param leaf in a step: its arrays, and where its moments live."""
   name: str
   p: jax.Array
-  g: Any  # a dense gradient or a RowSparse (its rows already decayed)
-  decay: bool  # L2 decay still to add (dense leaves)
+  g: Any  # a dense gradient or a RowSparse (its rows already L2-decayed)
+  decay: bool  # decay still to add: L2 (dense leaves) or decoupled (every leaf)
   m_key: Any  # the first moment's buffer: a dtype name (multi-tensor) or the leaf's index
   m_at: int | None  # offset in that buffer (None: the buffer is the leaf's own array)
   v_key: Any
@@ -99,14 +112,19 @@ def _runs(leaves: list[_Leaf]) -> list[list[_Leaf]]:
   return runs
 
 
-def _check_state(state, params, names, multi_tensor, mu_of, nu_of) -> None:
+def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad) -> None:
   """The state must be this optimizer's, for these params: errors name the leaf."""
-  if not isinstance(state, FusedAdamState):
-    raise TypeError(f"A fused step takes the FusedAdamState made by its own `init`, got a "
-                    f"{type(state).__name__} (the state of ak.adam or another optax chain?).")
+  want = FusedAmsgradState if amsgrad else FusedAdamState
+  if not isinstance(state, want):
+    raise TypeError(f"A fused step{' with amsgrad=True' if amsgrad else ''} takes the "
+                    f"{want.__name__} made by its own `init`, got a {type(state).__name__} (the "
+                    "state of ak.adam, another optax chain or a fused step with other options?).")
   leaves = jax.tree.leaves(params)
+  fields = [("mu", state.mu, mu_of), ("nu", state.nu, nu_of)]
+  if amsgrad:
+    fields.append(("nu_max", state.nu_max, nu_of))
   if multi_tensor:
-    for name, bufs, dtype_of in (("mu", state.mu, mu_of), ("nu", state.nu, nu_of)):
+    for name, bufs, dtype_of in fields:
       sizes = _flat_layout(leaves, dtype_of)[1]
       got = ({k: (np.shape(b), getattr(getattr(b, "dtype", None), "name", None))
               for k, b in bufs.items()} if isinstance(bufs, dict) else type(bufs).__name__)
@@ -116,7 +134,7 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of) -> None:
                          "(multi_tensor=True) for these params?")
     return
   treedef = jax.tree.structure(params)
-  for name, moments in (("mu", state.mu), ("nu", state.nu)):
+  for name, moments, _ in fields:
     if jax.tree.structure(moments) != treedef:
       raise ValueError(f"The state's {name} tree does not match the params tree (a "
                        "multi-tensor state, or one made for other params?).")
@@ -132,11 +150,14 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of) -> None:
 
 def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_decay,
            weight_decay_mask, mu_dtype, nu_dtype, multi_tensor, backend, lazy=True,
-           unique_ids=False) -> FusedStep:
+           unique_ids=False, amsgrad=False, bias_correction=True,
+           decoupled=False) -> FusedStep:
+  """The fused step of ``algo`` ("adam" or "adamax"); ``decoupled``: AdamW's decay."""
   _adam.check_adam_hyper(b1, b2, eps)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("nesterov", nesterov), ("multi_tensor", multi_tensor), ("lazy", lazy),
-                     ("unique_ids", unique_ids)):
+                     ("unique_ids", unique_ids), ("amsgrad", amsgrad),
+                     ("bias_correction", bias_correction)):
     _validate.check_bool(name, flag)
   _validate.check_choice("backend", backend, _backend.BACKENDS)
   if not callable(weight_decay):
@@ -163,11 +184,15 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
               "sharding. Use multi_tensor=False (moments sharded like their params).")
       mu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, mu_of)[1].items()}
       nu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, nu_of)[1].items()}
-    return FusedAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+    count = jnp.zeros([], jnp.int32)
+    if amsgrad:
+      return FusedAmsgradState(count=count, mu=mu, nu=nu, nu_max=jax.tree.map(jnp.copy, nu))
+    return FusedAdamState(count=count, mu=mu, nu=nu)
 
   def leaf_records(params, grads, wd) -> list[_Leaf]:
     """Each leaf with its gradient, decay flag and moment slots; a row-sparse gradient's
-    rows decay here, once per occurrence (MindSpore's rule), or it is densified."""
+    rows take their L2 decay here, once per occurrence (MindSpore's rule), or it is
+    densified. Decoupled decay stays a flag: the step adds it once per touched row."""
     flat_p, treedef = jax.tree.flatten(params)
     names = leaf_names(params)
     if multi_tensor:
@@ -184,7 +209,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
           raise TypeError("fused_adamax takes dense gradients (AdaMax has no row-sparse form "
                           f"in MindSpore or Paddle): pass `g.todense()` for '{name}'.")
         _ops.check_rows(g, np.shape(p), what=f"gradient of '{name}'")
-        if decay:
+        if decay and not decoupled:
           rows = gather_rows(p, safe_ids(g.indices, g.num_rows))
           g = g.with_values(g.values + (wd * rows.astype(jnp.float32)).astype(g.dtype))
           decay = False
@@ -195,48 +220,63 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
 
   def step_fn(params, state, grads):
     _validate.check_matching_trees(grads, params)
-    _check_state(state, params, leaf_names(params), multi_tensor, mu_of, nu_of)
+    _check_state(state, params, leaf_names(params), multi_tensor, mu_of, nu_of, amsgrad)
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
     wd = _schedules.scalar_or_schedule(weight_decay, state.count)
     count = optax.safe_increment(state.count)
-    bc1, bc2 = _adam.bias_corrections(b1, b2, count)
+    if bias_correction:
+      bc1, bc2 = _adam.bias_corrections(b1, b2, count)
+    else:
+      bc1 = bc2 = jnp.ones([], jnp.float32)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     hyper = _ops.Hyper(kind, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, lr=f32(lr),
-                       wd=f32(wd))
+                       wd=f32(wd), amsgrad=amsgrad, decoupled=decoupled)
+    # The moment buffers by key (a dtype name in multi-tensor mode, else the leaf's index):
+    # m, v and, with AMSGrad, v's running maximum, which is laid out as v.
+    trees = (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
     if multi_tensor:
-      mu, nu = dict(state.mu), dict(state.nu)
+      bufs = [dict(t) for t in trees]
     else:
-      mu, nu = dict(enumerate(jax.tree.leaves(state.mu))), dict(enumerate(jax.tree.leaves(state.nu)))
+      bufs = [dict(enumerate(jax.tree.leaves(t))) for t in trees]
     new_params = []
     # The step, in the order of its equations: this step's scalars (learning rate, decay,
     # bias corrections), then each run of leaves: decay, moments, direction, new params.
     for run in _runs(leaf_records(params, grads, wd)):
       first = run[0]
-      m, v = mu[first.m_key], nu[first.v_key]
+      keys = (first.m_key, first.v_key, first.v_key)[:len(bufs)]
+      moments = tuple(b[k] for b, k in zip(bufs, keys))
       if isinstance(first.g, RowSparse):
-        p, m, v = _ops.lazy_row_step(hyper, first.p, first.g, m, v, m_at=first.m_at,
-                                     v_at=first.v_at, merge=not unique_ids, backend=backend)
+        at = (first.m_at, first.v_at, first.v_at)[:len(bufs)]
+        p, moments = _ops.lazy_row_step(hyper, first.p, first.g, moments, at=at,
+                                        merge=not unique_ids, decay=first.decay,
+                                        backend=backend)
         ps = [p]
       else:
-        flat = first.m_at is not None
-        ps, m, v = _ops.dense_step(hyper, [x.p for x in run], [x.g for x in run], m, v,
-                                   m_at=[x.m_at for x in run] if flat else None,
-                                   v_at=[x.v_at for x in run] if flat else None,
-                                   decay=first.decay, backend=backend)
-      mu[first.m_key], nu[first.v_key] = m, v
+        at = None
+        if first.m_at is not None:
+          m_at, v_at = [x.m_at for x in run], [x.v_at for x in run]
+          at = (m_at, v_at, v_at)[:len(bufs)]
+        ps, moments = _ops.dense_step(hyper, [x.p for x in run], [x.g for x in run], moments,
+                                      at=at, decay=first.decay, backend=backend)
+      for b, k, x in zip(bufs, keys, moments):
+        b[k] = x
       new_params += ps
 
     treedef = jax.tree.structure(params)
-    if not multi_tensor:
-      mu, nu = treedef.unflatten(list(mu.values())), treedef.unflatten(list(nu.values()))
-    return treedef.unflatten(new_params), FusedAdamState(count=count, mu=mu, nu=nu)
+    if multi_tensor:
+      trees = bufs
+    else:
+      trees = [treedef.unflatten(list(b.values())) for b in bufs]
+    if amsgrad:
+      return treedef.unflatten(new_params), FusedAmsgradState(count, *trees)
+    return treedef.unflatten(new_params), FusedAdamState(count, *trees)
 
   return FusedStep(init_fn, step_fn)
 
 
 def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
                b2: float = 0.999, eps: float = 1e-8, *, eps_mode: str = "hat",
-               nesterov: bool = False, weight_decay: Any = 0.0,
+               nesterov: bool = False, amsgrad: bool = False, weight_decay: Any = 0.0,
                weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
                mu_dtype: Any = None, nu_dtype: Any = None, multi_tensor: bool = True,
                backend: str = "auto", lazy: bool = True,
@@ -249,7 +289,8 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     g &\leftarrow g + \lambda_t w \quad \text{(L2 decay, masked)} \\
     m_t &= \beta_1 m_{t-1} + (1-\beta_1) g \\
     v_t &= \beta_2 v_{t-1} + (1-\beta_2) g^2 \\
-    w &\leftarrow w - \alpha_t\, u_t(m_t, v_t) \quad \text{(} u_t \text{ of }
+    \bar v_t &= \max(\bar v_{t-1}, v_t) \text{ if amsgrad else } v_t \\
+    w &\leftarrow w - \alpha_t\, u_t(m_t, \bar v_t) \quad \text{(} u_t \text{ of }
         \mathtt{scale\_by\_adam}\text{)}
 
   The same numbers as ``optax.apply_updates(params, adam(...).update(...)[0])`` with the
@@ -271,9 +312,11 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     clipping, loss scale, groups and gradient centralization need :func:`adam`.
 
   Args:
-    learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``weight_decay``,
-      ``weight_decay_mask``, ``mu_dtype``: as in :func:`adamkit.adam` (``weight_decay``: a
-      number or schedule, L2).
+    learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``amsgrad``,
+      ``weight_decay``, ``weight_decay_mask``, ``mu_dtype``: as in :func:`adamkit.adam`
+      (``weight_decay``: a number or schedule, L2). ``amsgrad=True`` keeps a third buffer,
+      the running maximum of :math:`v_t` (8 more bytes of traffic per float32 parameter),
+      and the state is a :class:`FusedAmsgradState`.
     nu_dtype: dtype of the second moment (default: the params' dtype).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (Paddle ``use_multi_tensor``);
@@ -289,7 +332,8 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       merge (as in :func:`sparse_adam`).
 
   Returns:
-    A :class:`FusedStep` ``(init, step)``, state :class:`FusedAdamState`.
+    A :class:`FusedStep` ``(init, step)``, state :class:`FusedAdamState` (with ``amsgrad``:
+    :class:`FusedAmsgradState`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, adamkit as ak
@@ -308,6 +352,11 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     >>> params["w"]
     Array([ 0.9, -1.9], dtype=float32)
 
+    >>> opt = ak.fused_adam(0.1, eps_mode="corrected", amsgrad=True)  # one more buffer
+    >>> state = opt.init(params)
+    >>> type(state).__name__, state.nu_max["float32"].shape
+    ('FusedAmsgradState', (2,))
+
   References:
     DeepSpeed ``DeepSpeedCPUAdam`` (a one-pass CPU Adam for offloading) and
     ``torch.optim.Adam(fused=True)``, for the idea; the numbers are :func:`adamkit.adam`'s.
@@ -315,7 +364,81 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
   return _fused("adam", learning_rate, b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov,
                 weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                 mu_dtype=mu_dtype, nu_dtype=nu_dtype, multi_tensor=multi_tensor,
-                backend=backend, lazy=lazy, unique_ids=unique_ids)
+                backend=backend, lazy=lazy, unique_ids=unique_ids, amsgrad=amsgrad)
+
+
+def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
+                b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.01,
+                weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
+                bias_correction: bool = True, eps_mode: str = "corrected",
+                amsgrad: bool = False, mu_dtype: Any = None, nu_dtype: Any = None,
+                multi_tensor: bool = True, backend: str = "auto", lazy: bool = True,
+                unique_ids: bool = False) -> FusedStep:
+  r"""AdamW (decoupled weight decay) as one fused step that returns the new params (the
+  fast path of :func:`adamw`).
+
+  .. math::
+
+    m_t &= \beta_1 m_{t-1} + (1-\beta_1) g \\
+    v_t &= \beta_2 v_{t-1} + (1-\beta_2) g^2 \\
+    \bar v_t &= \max(\bar v_{t-1}, v_t) \text{ if amsgrad else } v_t \\
+    u_t &= u_t(m_t, \bar v_t) + \lambda_t w \quad \text{(} u_t \text{ of }
+        \mathtt{scale\_by\_adam}\text{; decay masked)} \\
+    w &\leftarrow w - \alpha_t\, u_t
+
+  The same numbers as ``optax.apply_updates(params, adamw(...).update(...)[0])`` with the
+  same options, in one pass over memory (28 bytes per float32 parameter; 36 with
+  ``amsgrad``): on CPU by the C++ kernel when it is built, else by plain JAX. The decay is
+  computed as :func:`adamw` computes it, :math:`w - \alpha_t (u_t + \lambda_t w)`, for
+  both framework forms: MindSpore ``nn.AdamWeightDecay`` is
+  ``fused_adamw(lr, b1, b2, 1e-6, weight_decay=wd, bias_correction=False,
+  eps_mode="hat")``; Paddle ``AdamW`` and ``torch.optim.AdamW`` (which scale
+  :math:`w \leftarrow w(1-\alpha_t\lambda)` first) are ``fused_adamw(lr, b1, b2, eps,
+  weight_decay=coeff, weight_decay_mask=None)``, equal to float32 rounding.
+
+  A gradient leaf may be a :class:`adamkit.RowSparse`: with ``lazy=True`` only its rows
+  move, as in :func:`sparse_adamw` + :func:`apply_updates` (each touched row decays once
+  per step, rows not looked up do not decay), in one kernel call on one CPU device;
+  ``lazy=False`` densifies it (every row moves and decays).
+
+  .. warning::
+    Not an ``optax.GradientTransformation`` (see :func:`fused_adam`). Clipping, loss scale,
+    groups and ``nonfinite`` need :func:`adamw`. The defaults are :func:`adamw`'s
+    (``eps_mode="corrected"``, ``weight_decay=0.01``, MindSpore's decay mask: pass
+    ``weight_decay_mask=None`` for Paddle, PyTorch and optax).
+
+  Args:
+    learning_rate: and ``b1``, ``b2``, ``eps``, ``weight_decay`` (decoupled, a number or
+      schedule), ``weight_decay_mask``, ``bias_correction``, ``eps_mode``, ``amsgrad``,
+      ``mu_dtype``, ``nu_dtype``: as in :func:`adamkit.adamw`.
+    multi_tensor: and ``backend``, ``lazy``, ``unique_ids``: as in :func:`fused_adam`.
+
+  Returns:
+    A :class:`FusedStep` ``(init, step)``, state :class:`FusedAdamState` (with ``amsgrad``:
+    :class:`FusedAmsgradState`).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, adamkit as ak
+    >>> opt = ak.fused_adamw(0.1, weight_decay=0.5, weight_decay_mask=None)
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
+    >>> params, state = step(params, opt.init(params), {"w": jnp.array([0.5, 0.5])})
+    >>> params["w"]  # w - lr (sign(g) + wd w)
+    Array([ 0.85, -2.  ], dtype=float32)
+
+  References:
+    Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019;
+    ``torch.optim.AdamW(fused=True)`` for the idea; the numbers are :func:`adamkit.adamw`'s.
+  """
+  if isinstance(weight_decay, (_links.L1Decay, _links.L2Decay)):
+    raise TypeError(
+        f"ak.fused_adamw's `weight_decay` is the decoupled coefficient (a number >= 0 or a "
+        f"schedule), got {type(weight_decay).__name__}: an L2 penalty is ak.fused_adam's.")
+  return _fused("adam", learning_rate, b1, b2, eps, eps_mode=eps_mode, nesterov=False,
+                weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
+                mu_dtype=mu_dtype, nu_dtype=nu_dtype, multi_tensor=multi_tensor,
+                backend=backend, lazy=lazy, unique_ids=unique_ids, amsgrad=amsgrad,
+                bias_correction=bias_correction, decoupled=True)
 
 
 def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,

@@ -7,9 +7,12 @@ FMA). Every operation checks its buffers against each other here, before either 
 runs, so a malformed state is a ``ValueError``, never a broadcast, a silent wrong row or
 a write outside a buffer.
 
-Moments are passed as buffers plus an optional offset: ``m_at=None`` means ``m`` is the
-leaf's own array (shaped like the param); an int means the leaf's moment lies flat in the
-1-D buffer ``m`` from that element (the multi-tensor layout of ``ak.fused_adam``).
+The state of a step is a tuple of moment buffers, ``(m, v)``, or ``(m, v, vmax)`` with
+AMSGrad (:attr:`Hyper.amsgrad`), each with an optional offset: ``None`` means the buffer is
+the leaf's own array (shaped like the param); an int means the leaf's moment lies flat in
+the 1-D buffer from that element (the multi-tensor layout of ``ak.fused_adam``). The rule
+of a step (eps placement, Nesterov, AMSGrad, L2 or decoupled decay, bias correction or
+none) is its :class:`Hyper`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from adamkit import _backend, _row_sharded
-from adamkit._adam import adam_direction
+from adamkit._adam import adam_direction, amsgrad_direction
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, gather_rows, safe_ids, scatter_rows
@@ -38,24 +41,41 @@ class Hyper(NamedTuple):
   b1: jax.Array
   b2: jax.Array
   eps: jax.Array
-  bc1: jax.Array  # 1 - b1**t
-  bc2: jax.Array  # 1 - b2**t
+  bc1: jax.Array  # 1 - b1**t (1 without bias correction)
+  bc2: jax.Array  # 1 - b2**t (1 without bias correction)
   lr: jax.Array = np.float32(0.0)  # learning rate (ops that return a direction ignore it)
-  wd: jax.Array = np.float32(0.0)  # L2 coefficient of the dense step's `decay`
+  wd: jax.Array = np.float32(0.0)  # decay coefficient of the leaves stepped with `decay`
+  amsgrad: bool = False  # state (m, v, vmax): max(vmax, v) replaces v in the denominator
+  decoupled: bool = False  # `decay` adds wd * w to the direction (AdamW), not to g (L2)
+
+
+STATE_NAMES = ("first moment", "second moment", "running maximum of the second moment")
+
+
+def state_size(h: Hyper) -> int:
+  """How many moment buffers a step of ``h`` takes: ``(m, v)``, or ``(m, v, vmax)``."""
+  return 3 if h.amsgrad else 2
 
 
 def _kernel_args(h: Hyper):
   f = _backend.native_ffi
   s = f.scalars(h.kind, b1=h.b1, b2=h.b2, eps=h.eps, lr=h.lr, wd=h.wd, bc1=h.bc1, bc2=h.bc2)
-  return f.Variant(h.kind, h.nesterov), s
+  return f.Variant(h.kind, h.nesterov, h.amsgrad, h.decoupled), s
 
 
-def direction(h: Hyper, g, m, v):
-  """The update direction of one leaf, in the compute dtype. Returns ``(u, m, v)``."""
+def direction(h: Hyper, g, *moments):
+  """The update direction of one leaf, in the compute dtype, from its moments ``(m, v)``
+  (AMSGrad: ``(m, v, vmax)``). Returns ``(u, *new_moments)``."""
   if h.kind == "adamax":
-    return adamax_direction(g, m, v, b1=h.b1, b2=h.b2, eps=h.eps, bc1=h.bc1)
-  return adam_direction(g, m, v, b1=h.b1, b2=h.b2, eps=h.eps, bc1=h.bc1, bc2=h.bc2,
-                        eps_mode=h.kind, nesterov=h.nesterov)
+    return adamax_direction(g, *moments, b1=h.b1, b2=h.b2, eps=h.eps, bc1=h.bc1)
+  step = amsgrad_direction if h.amsgrad else adam_direction
+  return step(g, *moments, b1=h.b1, b2=h.b2, eps=h.eps, bc1=h.bc1, bc2=h.bc2,
+              eps_mode=h.kind, nesterov=h.nesterov)
+
+
+def _decoupled(h: Hyper, u, w):
+  """AdamW's ``u + wd * w``, rounded as :func:`adamkit.add_decoupled_decay` rounds it."""
+  return u + (h.wd * w.astype(jnp.float32)).astype(u.dtype)
 
 
 def _lr_step(lr, u):
@@ -113,92 +133,124 @@ def check_rows(g: RowSparse, table_shape: tuple, what: str = "gradient") -> None
 # ------------------------------------------------------------------------ dense step
 
 
-def dense_step(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array], m, v, *,
-               m_at: Sequence[int] | None = None, v_at: Sequence[int] | None = None,
-               decay: bool = False, backend: str = "auto"):
-  """One dense step on consecutive leaves: decay (``g + wd * p`` with ``decay``), moments,
-  direction, ``p - lr * u``. ``m``, ``v``: one leaf's own moments (``m_at=None``), or flat
-  buffers holding the leaves' moments from the offsets ``m_at``, ``v_at``. Returns
-  ``(params, m, v)``; the reference's rounding points: direction in the gradient's dtype,
-  the learning rate, then the params' dtype."""
-  params, grads = list(params), list(grads)
-  if m_at is None and len(params) != 1:
+def _check_state(h: Hyper, state) -> tuple:
+  state = tuple(state)
+  if len(state) != state_size(h):
+    raise ValueError(f"This step keeps {state_size(h)} moment buffers "
+                     f"({', '.join(STATE_NAMES[:state_size(h)])}), got {len(state)}.")
+  return state
+
+
+def dense_step(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array], state, *,
+               at: Sequence[Sequence[int]] | None = None, decay: bool = False,
+               backend: str = "auto"):
+  """One dense step on consecutive leaves: decay, moments, direction, ``p - lr * u``.
+
+  ``state``: the moment buffers ``(m, v)``, or ``(m, v, vmax)`` with AMSGrad: one leaf's
+  own arrays (``at=None``), or flat buffers holding the leaves' moments, leaf ``j`` of
+  buffer ``b`` from offset ``at[b][j]``. ``decay``: ``g + wd * w`` first (L2) or, with
+  ``h.decoupled``, ``u + wd * w`` before the learning rate (AdamW). Returns ``(params,
+  state)``; the reference's rounding points: direction in the gradient's dtype, the
+  decoupled decay, the learning rate, then the params' dtype."""
+  params, grads, state = list(params), list(grads), _check_state(h, state)
+  if at is None and len(params) != 1:
     raise ValueError("Leaf-shaped moments hold one leaf; pass offsets for several.")
+  offsets = [[None] * len(params)] * len(state) if at is None else [list(a) for a in at]
   for j, (p, g) in enumerate(zip(params, grads)):
     if g.shape != p.shape:
       raise ValueError(f"A gradient of shape {g.shape} for a param of shape {p.shape}.")
-    check_moments(m, None if m_at is None else m_at[j], p.shape, "first moment")
-    check_moments(v, None if v_at is None else v_at[j], p.shape, "second moment")
+    for buf, a, name in zip(state, offsets, STATE_NAMES):
+      check_moments(buf, a[j], p.shape, name)
   sizes = [p.size for p in params]
-  contiguous = m_at is None or (list(m_at) == list(v_at) and all(
-      m_at[j + 1] == m_at[j] + sizes[j] for j in range(len(params) - 1)))
-  if _backend.use_kernel(backend, *params, *grads, m, v, fits=contiguous,
-                         big_enough=m_at is not None or sum(sizes) >= _backend.MIN_LEAF):
+  contiguous = at is None or (all(a == offsets[0] for a in offsets) and all(
+      offsets[0][j + 1] == offsets[0][j] + sizes[j] for j in range(len(params) - 1)))
+  if _backend.use_kernel(backend, *params, *grads, *state, fits=contiguous,
+                         big_enough=at is not None or sum(sizes) >= _backend.MIN_LEAF):
     variant, s = _kernel_args(h)
     out = []
     for lo in range(0, len(params), LEAVES_PER_CALL):
       hi = min(lo + LEAVES_PER_CALL, len(params))
-      ps, (m, v) = _backend.native_ffi.dense_step(
-          variant, s, params[lo:hi], grads[lo:hi], (m, v), decay=decay,
-          offset=0 if m_at is None else m_at[lo])
+      ps, state = _backend.native_ffi.dense_step(
+          variant, s, params[lo:hi], grads[lo:hi], state, decay=decay,
+          offset=0 if at is None else offsets[0][lo])
       out += ps
-    return out, m, v
+    return out, state
   out = []
   for j, (p, g) in enumerate(zip(params, grads)):
-    mj = None if m_at is None else m_at[j]
-    vj = None if v_at is None else v_at[j]
-    new_p, new_m, new_v = _dense_leaf(h, p, g, view(m, mj, p.shape), view(v, vj, p.shape), decay)
+    olds = [view(buf, a[j], p.shape) for buf, a in zip(state, offsets)]
+    new_p, *news = _dense_leaf(h, p, g, olds, decay)
     out.append(new_p)
-    m, v = put(m, mj, new_m), put(v, vj, new_v)
-  return out, m, v
+    state = tuple(put(buf, a[j], x) for buf, a, x in zip(state, offsets, news))
+  return out, state
 
 
-def _dense_leaf(h: Hyper, p, g, m, v, decay: bool):
-  if decay:
+def _dense_leaf(h: Hyper, p, g, olds, decay: bool):
+  if decay and not h.decoupled:
     g = g + (h.wd * p.astype(jnp.float32)).astype(g.dtype)
   dt = compute_dtype(g)
-  u, m2, v2 = direction(h, g.astype(dt), m.astype(dt), v.astype(dt))
+  u, *news = direction(h, g.astype(dt), *(x.astype(dt) for x in olds))
   u = u.astype(g.dtype)
-  return (p + _lr_step(h.lr, u)).astype(p.dtype), m2.astype(m.dtype), v2.astype(v.dtype)
+  if decay and h.decoupled:
+    u = _decoupled(h, u, p)
+  return ((p + _lr_step(h.lr, u)).astype(p.dtype),
+          *(n.astype(o.dtype) for n, o in zip(news, olds)))
 
 
 # -------------------------------------------------------------------------- row ops
 
 
-def lazy_rows(h: Hyper, g: RowSparse, m, v, *, table_shape: tuple, m_at: int | None = None,
-              v_at: int | None = None, merge: bool = True, backend: str = "auto"):
+def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
+              at: Sequence[int | None] | None = None, merge: bool = True,
+              backend: str = "auto"):
   """Adam's direction on the rows of ``g`` only (repeated ids summed first when ``merge``).
-  Returns ``(ids, u, m, v)``: distinct ids (padding ``num_rows``, dropped by scatters), one
-  direction row each (compute dtype on XLA, float32 on the kernel), the new moments."""
-  _check_row_step(g, m, v, table_shape, m_at, v_at)
-  if _use_row_kernel(backend, g, m, v, m_at, v_at):
+  ``state``: the table's moment buffers (see :func:`dense_step`), buffer ``b`` from offset
+  ``at[b]`` (``None``: table-shaped). Returns ``(ids, u, state)``: distinct ids (padding
+  ``num_rows``, dropped by scatters), one direction row each (compute dtype on XLA,
+  float32 on the kernel), the new moments."""
+  state, at = _check_row_step(h, g, state, table_shape, at)
+  if _use_row_kernel(backend, g, state, at):
     variant, s = _kernel_args(h)
-    ids, u, (m, v) = _backend.native_ffi.sparse_lazy(
-        variant, s, g.indices, g.values, (m, v), row_shape=table_shape[1:],
-        num_rows=g.num_rows, offset=m_at or 0, merge=merge)
-    return ids, u, m, v
-  layout = _row_layout(h, m, v, m_at, v_at)
+    ids, u, state = _backend.native_ffi.sparse_lazy(
+        variant, s, g.indices, g.values, state, row_shape=table_shape[1:],
+        num_rows=g.num_rows, offset=at[0] or 0, merge=merge)
+    return ids, u, state
+  layout = _row_layout(h, state, at)
   if layout is not None:  # a row-sharded table: each shard updates the rows it owns
-    return _row_sharded.lazy_rows(g, m, v, layout, merge=merge, b1=h.b1, b2=h.b2, eps=h.eps,
-                                  bc1=h.bc1, bc2=h.bc2, eps_mode=h.kind, nesterov=h.nesterov)
-  ids, u, m_rows, v_rows, m_t, v_t = _lazy_rows_xla(h, g, m, v, table_shape, m_at, v_at, merge)
-  return ids, u, put(m, m_at, scatter_rows(m_t, ids, m_rows)), put(v, v_at, scatter_rows(v_t, ids, v_rows))
+    m, v = state
+    ids, u, m, v = _row_sharded.lazy_rows(
+        g, m, v, layout, merge=merge, b1=h.b1, b2=h.b2, eps=h.eps, bc1=h.bc1, bc2=h.bc2,
+        eps_mode=h.kind, nesterov=h.nesterov)
+    return ids, u, (m, v)
+  if merge:
+    g = g.coalesce()
+  ids = safe_ids(g.indices, g.num_rows)
+  tables = [view(buf, a, table_shape) for buf, a in zip(state, at)]
+  dt = compute_dtype(g.values)
+  u, *rows = direction(h, g.values.astype(dt), *(gather_rows(t, ids).astype(dt) for t in tables))
+  state = tuple(put(buf, a, scatter_rows(t, ids, r))
+                for buf, a, t, r in zip(state, at, tables, rows))
+  return ids, u, state
 
 
-def lazy_row_step(h: Hyper, p, g: RowSparse, m, v, *, m_at: int | None = None,
-                  v_at: int | None = None, merge: bool = True, backend: str = "auto"):
-  """The lazy step with the table: the rows of ``g`` of ``p``, ``m``, ``v`` move
-  (``p - lr * u``), every other row keeps its bits. Returns ``(p, m, v)``."""
-  _check_row_step(g, m, v, p.shape, m_at, v_at)
-  if _use_row_kernel(backend, g, m, v, m_at, v_at, p):
+def lazy_row_step(h: Hyper, p, g: RowSparse, state, *, at: Sequence[int | None] | None = None,
+                  merge: bool = True, decay: bool = False, backend: str = "auto"):
+  """The lazy step with the table: the rows of ``g`` of ``p`` and of its moments move
+  (``p - lr * u``), every other row keeps its bits. ``decay`` (``h.decoupled`` only):
+  each touched row adds ``wd * w`` to its direction once (lazy AdamW; an L2 decay of
+  sparse rows is the caller's, per occurrence). Returns ``(p, state)``."""
+  if decay and not h.decoupled:
+    raise ValueError("The lazy row step decays decoupled only; add L2 decay to the rows first.")
+  state, at = _check_row_step(h, g, state, p.shape, at)
+  if _use_row_kernel(backend, g, state, at, p):
     variant, s = _kernel_args(h)
-    p, (m, v) = _backend.native_ffi.sparse_lazy(
-        variant, s, g.indices, g.values, (m, v), p, row_shape=p.shape[1:], num_rows=g.num_rows,
-        offset=m_at or 0, merge=merge)
-    return p, m, v
-  ids, u, m, v = lazy_rows(h, g, m, v, table_shape=p.shape, m_at=m_at, v_at=v_at, merge=merge,
-                           backend="xla")
-  return _add_rows(p, ids, _lr_step(h.lr, u.astype(g.dtype))), m, v
+    return _backend.native_ffi.sparse_lazy(
+        variant, s, g.indices, g.values, state, p, row_shape=p.shape[1:], num_rows=g.num_rows,
+        offset=at[0] or 0, merge=merge, decay=decay)
+  ids, u, state = lazy_rows(h, g, state, table_shape=p.shape, at=at, merge=merge, backend="xla")
+  u = u.astype(g.dtype)
+  if decay:
+    u = _decoupled(h, u, gather_rows(p, ids))
+  return _add_rows(p, ids, _lr_step(h.lr, u)), state
 
 
 def row_add(p, u: RowSparse, *, backend: str = "auto"):
@@ -217,31 +269,24 @@ def _add_rows(p, ids, rows):
   return scatter_rows(p, ids, rows, add=True)
 
 
-def _row_layout(h: Hyper, m, v, m_at, v_at):
-  """The row split of per-leaf moments sharded over several devices (see
-  :mod:`adamkit._row_sharded`), or ``None``: XLA's own partitioning then."""
-  if m_at is not None or v_at is not None or h.kind == "adamax":
+def _row_layout(h: Hyper, state, at):
+  """The row split of per-leaf Adam moments sharded over several devices (see
+  :mod:`adamkit._row_sharded`), or ``None``: XLA's own partitioning then (flat
+  multi-tensor buffers, AdaMax, and AMSGrad's third buffer are not routed)."""
+  if h.kind == "adamax" or h.amsgrad or len(state) != 2 or any(a is not None for a in at):
     return None
-  return _row_sharded.same_layout(m, v)
+  return _row_sharded.same_layout(*state)
 
 
-def _check_row_step(g, m, v, table_shape, m_at, v_at) -> None:
+def _check_row_step(h: Hyper, g, state, table_shape, at):
+  state = _check_state(h, state)
+  at = (None,) * len(state) if at is None else tuple(at)
   check_rows(g, table_shape)
-  check_moments(m, m_at, table_shape, "first moment")
-  check_moments(v, v_at, table_shape, "second moment")
+  for buf, a, name in zip(state, at, STATE_NAMES):
+    check_moments(buf, a, table_shape, name)
+  return state, at
 
 
-def _use_row_kernel(backend, g, m, v, m_at, v_at, *table) -> bool:
-  return _backend.use_kernel(backend, g.values, m, v, *table, ids=g.indices,
-                             num_rows=g.num_rows, fits=m_at == v_at)
-
-
-def _lazy_rows_xla(h: Hyper, g: RowSparse, m, v, table_shape, m_at, v_at, merge):
-  if merge:
-    g = g.coalesce()
-  ids = safe_ids(g.indices, g.num_rows)
-  m_t, v_t = view(m, m_at, table_shape), view(v, v_at, table_shape)
-  dt = compute_dtype(g.values)
-  u, m_rows, v_rows = direction(h, g.values.astype(dt), gather_rows(m_t, ids).astype(dt),
-                                gather_rows(v_t, ids).astype(dt))
-  return ids, u, m_rows, v_rows, m_t, v_t
+def _use_row_kernel(backend, g, state, at, *table) -> bool:
+  return _backend.use_kernel(backend, g.values, *state, *table, ids=g.indices,
+                             num_rows=g.num_rows, fits=len(set(at)) == 1)

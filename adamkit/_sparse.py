@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from adamkit import _adam, _backend, _groups, _masks, _ops, _schedules, _validate
+from adamkit import _adam, _backend, _groups, _links, _masks, _ops, _schedules, _validate
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, check_row_args, is_row_sparse
 from adamkit._tree import leaf_names, zero_moments
@@ -200,7 +200,7 @@ def fused_sparse_lazy_adam(var, m, v, beta1_power, beta2_power, lr, beta1, beta2
   var, m, v, g = _fused_args(var, m, v, gradient, indices)
   hyper, lr = _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon)
   h = _ops.Hyper("hat", use_nesterov, lr=lr, **hyper)
-  var, m, v = _ops.lazy_row_step(h, var, g, m, v, merge=True, backend=backend)
+  var, (m, v) = _ops.lazy_row_step(h, var, g, (m, v), merge=True, backend=backend)
   return var, m, v
 
 
@@ -215,6 +215,7 @@ class ScaleBySparseAdamState(NamedTuple):
 
 def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                          lazy: bool = True, eps_mode: str = "hat", nesterov: bool = False,
+                         amsgrad: bool = False, bias_correction: bool = True,
                          unique_ids: bool = False, mu_dtype: Any = None,
                          backend: str = "auto") -> optax.GradientTransformation:
   r"""Adam's direction for gradient trees whose leaves may be :class:`adamkit.RowSparse`.
@@ -230,13 +231,17 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
        \quad i \in I \\
     \text{not lazy:}\quad & \text{dense Adam on } G \text{ (zero on absent rows)}
 
-  with :math:`n` and ``eps_mode`` as in :func:`adamkit.scale_by_adam` and :math:`t` the
-  global step. Lazy mode returns a ``RowSparse`` of row updates (unique ids) that
+  with :math:`n`, ``eps_mode``, ``bias_correction`` and ``amsgrad`` as in
+  :func:`adamkit.scale_by_adam` (with ``amsgrad`` the running maximum
+  :math:`\bar v_i = \max(\bar v_i, v_i)` replaces :math:`v_i`, and in lazy mode it moves
+  on the touched rows only, like :math:`m` and :math:`v`) and :math:`t` the global step.
+  Lazy mode returns a ``RowSparse`` of row updates (unique ids) that
   :func:`adamkit.apply_updates` scatters; rows not in :math:`I` keep their moments
   bit-identical. Non-lazy mode returns a dense update and costs ``O(N)``.
 
   Args:
-    b1, b2, eps, eps_mode, nesterov, mu_dtype: see :func:`adamkit.scale_by_adam`.
+    b1, b2, eps, eps_mode, nesterov, amsgrad, bias_correction, mu_dtype: see
+      :func:`adamkit.scale_by_adam`.
     lazy: update only the touched rows (MindSpore ``FusedSparseLazyAdam``, Paddle
       ``lazy_mode=True``, ``torch.optim.SparseAdam``) or every row (``FusedSparseAdam``).
     unique_ids: the caller guarantees that no id repeats (MindSpore ``unique=False``):
@@ -250,7 +255,8 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
       use ``"xla"`` to differentiate through the step.
 
   Returns:
-    An ``optax.GradientTransformation`` with state :class:`ScaleBySparseAdamState`.
+    An ``optax.GradientTransformation`` with state :class:`ScaleBySparseAdamState`, or
+    :class:`adamkit.ScaleByAmsgradState` with ``amsgrad=True``.
 
   Examples:
     >>> import jax.numpy as jnp, adamkit as ak
@@ -267,52 +273,61 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   """
   _adam.check_adam_hyper(b1, b2, eps)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
-  for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
+  for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("amsgrad", amsgrad),
+                     ("bias_correction", bias_correction), ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
   _validate.check_choice("backend", backend, _backend.BACKENDS)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  state_type = _adam.ScaleByAmsgradState if amsgrad else ScaleBySparseAdamState
 
   def init_fn(params):
     _validate.check_float_params(params)
     mu, nu = zero_moments(params, mu_dtype)
-    return ScaleBySparseAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+    extra = (zero_moments(params)[1],) if amsgrad else ()
+    return state_type(jnp.zeros([], jnp.int32), mu, nu, *extra)
 
   def update_fn(updates, state, params=None):
     del params
     _validate.check_matching_trees(updates, state.nu, what="optimizer state")
     count = optax.safe_increment(state.count)
-    bc1, bc2 = _adam.bias_corrections(b1, b2, count)
+    if bias_correction:
+      bc1, bc2 = _adam.bias_corrections(b1, b2, count)
+    else:
+      bc1 = bc2 = jnp.ones([], jnp.float32)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    h = _ops.Hyper(eps_mode, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2)
+    h = _ops.Hyper(eps_mode, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, amsgrad=amsgrad)
 
-    def leaf(name, g, m, v):
+    def leaf(name, g, *olds):  # olds: (m, v) or (m, v, v_max)
       if isinstance(g, RowSparse):
-        _ops.check_rows(g, m.shape, what=f"gradient of '{name}'")
-        _ops.check_moments(v, None, m.shape, f"second moment of '{name}'")
+        _ops.check_rows(g, olds[0].shape, what=f"gradient of '{name}'")
+        for x, what in zip(olds[1:], _ops.STATE_NAMES[1:]):
+          _ops.check_moments(x, None, olds[0].shape, f"{what} of '{name}'")
       if isinstance(g, RowSparse) and lazy:
-        ids, u, m, v = _ops.lazy_rows(h, g, m, v, table_shape=m.shape, merge=not unique_ids,
-                                      backend=backend)
-        return RowSparse.tree_unflatten(g.num_rows, (ids, u.astype(g.dtype))), m, v
+        ids, u, news = _ops.lazy_rows(h, g, olds, table_shape=olds[0].shape,
+                                      merge=not unique_ids, backend=backend)
+        return RowSparse.tree_unflatten(g.num_rows, (ids, u.astype(g.dtype))), *news
       if isinstance(g, RowSparse):
-        g = g.todense(like=m)
+        g = g.todense(like=olds[0])
       dt = compute_dtype(g)
-      u, m_new, v_new = _ops.direction(h, g.astype(dt), m.astype(dt), v.astype(dt))
-      return u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype)
+      u, *news = _ops.direction(h, g.astype(dt), *(x.astype(dt) for x in olds))
+      return u.astype(g.dtype), *(n.astype(o.dtype) for n, o in zip(news, olds))
 
     treedef = jax.tree.structure(state.nu)
+    moments = state[1:]  # mu, nu (and nu_max)
     out = [leaf(*args) for args in zip(leaf_names(state.nu), treedef.flatten_up_to(updates),
-                                       jax.tree.leaves(state.mu), jax.tree.leaves(state.nu))]
+                                       *(jax.tree.leaves(t) for t in moments))]
     if not out:
       return updates, state._replace(count=count)
-    u, mu, nu = (treedef.unflatten(list(x)) for x in zip(*out))
-    return u, ScaleBySparseAdamState(count=count, mu=mu, nu=nu)
+    u, *news = (treedef.unflatten(list(x)) for x in zip(*out))
+    return u, state_type(count, *news)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
 def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8, *, lazy: bool = True,
-                eps_mode: str = "hat", nesterov: bool = False, weight_decay: Any = 0.0,
+                eps_mode: str = "hat", nesterov: bool = False, amsgrad: bool = False,
+                weight_decay: Any = 0.0,
                 weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
                 loss_scale: float = 1.0, grad_clip: Any = None, groups=None,
                 unique_ids: bool = False, mu_dtype: Any = None,
@@ -336,7 +351,8 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
 
   Args:
     learning_rate: every form :func:`adamkit.adam` accepts.
-    b1, b2, eps, eps_mode, nesterov, mu_dtype: see :func:`adamkit.scale_by_adam`.
+    b1, b2, eps, eps_mode, nesterov, amsgrad, mu_dtype: see :func:`adamkit.scale_by_adam`
+      (lazy AMSGrad: the running maximum moves on the touched rows only).
     lazy: only touched rows change (default; MindSpore ``FusedSparseLazyAdam``) or all
       rows move as in dense Adam with a zero gradient on absent rows (``FusedSparseAdam``).
     weight_decay: L2 coefficient or schedule, or ``ak.L1Decay``/``ak.L2Decay``. On a sparse
@@ -399,12 +415,104 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
 
   def direction(b1, b2, eps):
     return scale_by_sparse_adam(b1, b2, eps, lazy=lazy, eps_mode=eps_mode, nesterov=nesterov,
-                                unique_ids=unique_ids, mu_dtype=mu_dtype, backend=backend)
+                                amsgrad=amsgrad, unique_ids=unique_ids, mu_dtype=mu_dtype,
+                                backend=backend)
 
   return _groups.build_named(
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
       grad_clip=grad_clip, groups=groups, nonfinite=nonfinite)
+
+
+def sparse_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
+                 b2: float = 0.999, eps: float = 1e-8, *, lazy: bool = True,
+                 weight_decay: Any = 0.01,
+                 weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
+                 bias_correction: bool = True, eps_mode: str = "corrected",
+                 amsgrad: bool = False, loss_scale: float = 1.0, unique_ids: bool = False,
+                 mu_dtype: Any = None, nonfinite: str = "propagate",
+                 backend: str = "auto") -> optax.GradientTransformation:
+  r"""AdamW for trees mixing :class:`adamkit.RowSparse` (embedding) and dense gradients:
+  lazy AdamW, the decoupled decay on the touched rows only.
+
+  With :math:`R` the distinct ids of the batch and :math:`G_r` their merged gradient rows,
+  in lazy mode (default), for each :math:`r \in R`:
+
+  .. math::
+
+    m_r &\leftarrow \beta_1 m_r + (1-\beta_1) G_r, \quad
+      v_r \leftarrow \beta_2 v_r + (1-\beta_2) G_r^2, \quad
+      \bar v_r \leftarrow \max(\bar v_r, v_r) \text{ (amsgrad)} \\
+    u_r &= \mathtt{scale\_by\_adam}(m_r, \bar v_r) + \lambda_t w_r
+      \quad \text{(decay masked per leaf)} \\
+    w_r &\leftarrow w_r - \alpha_t u_r
+
+  and every other row keeps its parameters and moments bit for bit: a row that is not
+  looked up does not decay either. Dense leaves get :func:`adamkit.adamw` exactly. The chain
+  is ``check -> unscale -> scale_by_sparse_adam -> add_decoupled_decay -> -lr``; apply the
+  updates with :func:`adamkit.apply_updates`. :func:`adamkit.fused_adamw` computes the same
+  step with the table updated in the same pass as its moments.
+
+  .. warning::
+    MindSpore and Paddle have no lazy AdamW (Paddle's ``AdamW`` has no ``lazy_mode``;
+    MindSpore's ``AdamWeightDecay`` takes dense gradients only), so this is adamkit's
+    definition: the decay of a row is applied on the steps that touch it, once per step
+    however often the batch repeats its id (L2 decay in :func:`sparse_adam` is per
+    occurrence, MindSpore's rule), with the learning rate of that step. Where every row is
+    touched it is :func:`adamkit.adamw` on the densified gradient (tested); a row touched
+    every :math:`k`-th step decays :math:`k` times less than under dense AdamW.
+    ``lazy=False`` is that dense AdamW on the densified gradient (every row moves and
+    decays, :math:`O(N)`).
+
+  Args:
+    learning_rate: every form :func:`adamkit.adam` accepts.
+    b1, b2, eps, bias_correction, eps_mode, amsgrad, mu_dtype: see
+      :func:`adamkit.scale_by_adam` (defaults as :func:`adamkit.adamw`).
+    lazy: only the touched rows move and decay (default), or every row (dense AdamW).
+    weight_decay: the decoupled coefficient :math:`\lambda`, a number >= 0 or a schedule.
+    weight_decay_mask: which leaves decay, as in :func:`adamkit.adamw`.
+    loss_scale: gradients are divided by it first, > 0.
+    unique_ids: skip merging duplicate ids (the caller guarantees there are none).
+    nonfinite: ``"propagate"`` or ``"skip"``, as in :func:`adamkit.adam`.
+    backend: ``"auto"``, ``"kernel"`` or ``"xla"``, see :func:`scale_by_sparse_adam`.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> params = {"emb": jnp.ones((1_000, 2))}
+    >>> tx = ak.sparse_adamw(0.1, weight_decay=0.5, weight_decay_mask=None)
+    >>> grads = {"emb": ak.RowSparse(jnp.array([7, 7]), jnp.ones((2, 2)), 1_000)}
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> params = ak.apply_updates(params, updates)
+    >>> print(params["emb"][jnp.array([0, 7]), 0])  # row 7: w - lr (sign(g) + wd w), once
+    [1.   0.85]
+
+  References:
+    Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019; the lazy row
+    rule of MindSpore ``FusedSparseLazyAdam`` and ``torch.optim.SparseAdam``.
+  """
+  _adam.check_adam_hyper(b1, b2, eps)
+  _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
+  for name, flag in (("lazy", lazy), ("bias_correction", bias_correction),
+                     ("amsgrad", amsgrad), ("unique_ids", unique_ids)):
+    _validate.check_bool(name, flag)
+  _validate.check_choice("backend", backend, _backend.BACKENDS)
+  if isinstance(weight_decay, (_links.L1Decay, _links.L2Decay)):
+    raise TypeError(
+        f"ak.sparse_adamw's `weight_decay` is the decoupled coefficient (a number >= 0 or a "
+        f"schedule), got {type(weight_decay).__name__}: an L1/L2 penalty is ak.sparse_adam's.")
+
+  def direction(b1, b2, eps):
+    return scale_by_sparse_adam(b1, b2, eps, lazy=lazy, eps_mode=eps_mode, amsgrad=amsgrad,
+                                bias_correction=bias_correction, unique_ids=unique_ids,
+                                mu_dtype=mu_dtype, backend=backend)
+
+  return _groups.build_named(
+      direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
+      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
+      grad_clip=None, groups=None, nonfinite=nonfinite, decoupled=True)
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates, *,

@@ -189,8 +189,8 @@ def check_dense_grads(updates: Any, optimizer: str) -> None:
       raise TypeError(
           f"{optimizer} takes dense gradients, but '{path_name(path) or '<root>'}' is a "
           "RowSparse. Use ak.sparse_adam (lazy=False is MindSpore nn.Adam's FusedSparseAdam, "
-          "lazy=True its FusedSparseLazyAdam) or ak.fused_adam, or densify with "
-          "`g.todense()`.")
+          "lazy=True its FusedSparseLazyAdam) or ak.fused_adam (for AdamW: ak.sparse_adamw or "
+          "ak.fused_adamw), or densify with `g.todense()`.")
 
 
 def check_row_ids_untouched(updates: Any) -> None:

@@ -11,6 +11,13 @@ Scenarios (one table each, printed and written to ``benchmarks/results/bench_den
    fixed, ``block_until_ready`` inside the timing.
 2. AdaMax, the same sizes (``optax.adamax``, ``ak.adamax``, ``ak.fused_adamax``,
    ``torch.optim.Adamax(foreach=True)``; PyTorch has no fused AdaMax).
+2b. AdamW (``optax.adamw``, ``ak.adamw``, ``ak.fused_adamw``, ``torch.optim.AdamW(fused=True)``
+   and ``(foreach=True)``, every leaf decayed, weight decay 0.01) and AMSGrad
+   (``optax.amsgrad``, ``ak.adam(amsgrad=True)``, ``ak.fused_adam(amsgrad=True)``,
+   ``torch.optim.Adam(amsgrad=True, fused=True)`` and ``(foreach=True)``), each with the
+   plain ``ak.fused_adam`` kernel in the same interleave. AMSGrad keeps a third buffer, the
+   running maximum of v, and moves 8 more bytes per parameter (36: read p, g, m, v, vmax;
+   write p, m, v, vmax); its probe moves 36.
 3. A model of 300 small leaves (100 blocks of a d x d kernel and two d vectors, d in
    16..128, 0.6M parameters): step time and compile time (lowering + XLA compile) vs optax, with the fused
    step per leaf and in multi-tensor mode.
@@ -22,6 +29,7 @@ even when the shared machine's load changes.
 
   python benchmarks/bench_dense.py            # the full run (a few minutes)
   python benchmarks/bench_dense.py --quick    # 1M and 4M only, fewer repeats
+  python benchmarks/bench_dense.py --algos adamw,amsgrad --sizes 16000000 --no-many-leaves
 
 PyTorch is optional (``pip install adamkit[bench]``); without it its rows are skipped.
 The CPU kernel is compiled first if it is missing (needs a C++ compiler).
@@ -54,8 +62,12 @@ try:
 except ImportError:  # optional: the `bench` extra
   torch = None
 
-LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
+LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
 BYTES_PER_PARAM = 28
+# Bytes an in-place step must move per float32 parameter: AMSGrad reads and writes its
+# running maximum too.
+BYTES = {"adam": 28, "adamax": 28, "adamw": 28, "amsgrad": 36}
+ALGOS = tuple(BYTES)
 
 
 # ----------------------------------------------------------------------- contenders
@@ -76,9 +88,9 @@ def fused_runner(opt, params, grads):
   return fn, common.stateful_runner(fn, (p, opt.init(p)), (grads,))
 
 
-def probe_runner(n_params):
-  # 3.5 float32 read and written per parameter = 28 bytes, one in-place pass.
-  x = jnp.ones((n_params * 7 // 2,), jnp.float32)
+def probe_runner(n_params, nbytes=BYTES_PER_PARAM):
+  # nbytes / 8 float32 read and written per parameter (3.5: 28 bytes), one in-place pass.
+  x = jnp.ones((n_params * nbytes // 8,), jnp.float32)
   fn = jax.jit(lambda x, a: (x * a + 1.0, a), donate_argnums=0)
   return common.stateful_runner(fn, (x, jnp.float32(0.5)))
 
@@ -108,33 +120,66 @@ def compile_seconds(fn, *args):
 # ------------------------------------------------------------------------ scenarios
 
 
+def _contenders(algo: str):
+  """``(optax baseline, ak chain, fused factory, torch {name: factory(params)})``."""
+  t = {}
+  if algo == "adam":
+    base = ("optax.adam", optax.adam(LR, B1, B2, EPS))
+    chain = ("ak.adam (optax protocol)", ak.adam(LR, B1, B2, EPS, eps_mode="corrected"))
+    make = lambda **kw: ak.fused_adam(LR, B1, B2, EPS, eps_mode="corrected", **kw)
+    if torch is not None:
+      t["torch Adam fused"] = lambda ps: torch.optim.Adam(ps, lr=LR, betas=(B1, B2), eps=EPS,
+                                                          fused=True)
+      t["torch Adam foreach"] = lambda ps: torch.optim.Adam(ps, lr=LR, betas=(B1, B2), eps=EPS,
+                                                            foreach=True)
+  elif algo == "adamw":
+    base = ("optax.adamw", optax.adamw(LR, B1, B2, EPS, weight_decay=WD))
+    chain = ("ak.adamw (optax protocol)", ak.adamw(LR, B1, B2, EPS, weight_decay=WD,
+                                                   weight_decay_mask=None))
+    make = lambda **kw: ak.fused_adamw(LR, B1, B2, EPS, weight_decay=WD, weight_decay_mask=None,
+                                       **kw)
+    if torch is not None:
+      t["torch AdamW fused"] = lambda ps: torch.optim.AdamW(ps, lr=LR, betas=(B1, B2), eps=EPS,
+                                                            weight_decay=WD, fused=True)
+      t["torch AdamW foreach"] = lambda ps: torch.optim.AdamW(
+          ps, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, foreach=True)
+  elif algo == "amsgrad":
+    base = ("optax.amsgrad", optax.amsgrad(LR, B1, B2, EPS))
+    chain = ("ak.adam(amsgrad) (optax protocol)",
+             ak.adam(LR, B1, B2, EPS, eps_mode="corrected", amsgrad=True))
+    make = lambda **kw: ak.fused_adam(LR, B1, B2, EPS, eps_mode="corrected", amsgrad=True, **kw)
+    if torch is not None:
+      t["torch Adam(amsgrad) fused"] = lambda ps: torch.optim.Adam(
+          ps, lr=LR, betas=(B1, B2), eps=EPS, amsgrad=True, fused=True)
+      t["torch Adam(amsgrad) foreach"] = lambda ps: torch.optim.Adam(
+          ps, lr=LR, betas=(B1, B2), eps=EPS, amsgrad=True, foreach=True)
+  else:
+    base = ("optax.adamax", optax.adamax(LR, B1, B2, EPS))
+    chain = ("ak.adamax (optax protocol)", ak.adamax(LR, B1, B2, EPS))
+    make = lambda **kw: ak.fused_adamax(LR, B1, B2, EPS, **kw)
+    if torch is not None:
+      t["torch Adamax foreach"] = lambda ps: torch.optim.Adamax(ps, lr=LR, betas=(B1, B2),
+                                                                eps=EPS, foreach=True)
+  return base, chain, make, t
+
+
 def dense(algo: str, n: int, reps: int, kernel: bool):
   key = jax.random.key(n)
   params = {"w": jax.random.normal(key, (n,), jnp.float32)}
   grads = {"w": 0.1 * jax.random.normal(jax.random.fold_in(key, 1), (n,), jnp.float32)}
-  runners = {"probe (28 B/param, in place)": probe_runner(n)}
-  if algo == "adam":
-    runners["optax.adam"] = optax_runner(optax.adam(LR, B1, B2, EPS), params, grads)[1]
-    runners["ak.adam (optax protocol)"] = optax_runner(
-        ak.adam(LR, B1, B2, EPS, eps_mode="corrected"), params, grads)[1]
-    make = lambda **kw: ak.fused_adam(LR, B1, B2, EPS, eps_mode="corrected", **kw)
-  else:
-    runners["optax.adamax"] = optax_runner(optax.adamax(LR, B1, B2, EPS), params, grads)[1]
-    runners["ak.adamax (optax protocol)"] = optax_runner(
-        ak.adamax(LR, B1, B2, EPS), params, grads)[1]
-    make = lambda **kw: ak.fused_adamax(LR, B1, B2, EPS, **kw)
+  runners = {f"probe ({BYTES[algo]} B/param, in place)": probe_runner(n, BYTES[algo])}
+  (base, base_tx), (chain, chain_tx), make, torch_makers = _contenders(algo)
+  runners[base] = optax_runner(base_tx, params, grads)[1]
+  runners[chain] = optax_runner(chain_tx, params, grads)[1]
   runners["ak.fused (pure JAX)"] = fused_runner(make(backend="xla"), params, grads)[1]
   if kernel:
     runners["ak.fused (CPU kernel)"] = fused_runner(make(backend="kernel"), params, grads)[1]
-  if torch is not None:
-    if algo == "adam":
-      runners["torch Adam fused"] = torch_runner(
-          lambda ps: torch.optim.Adam(ps, lr=LR, betas=(B1, B2), eps=EPS, fused=True), [n])
-      runners["torch Adam foreach"] = torch_runner(
-          lambda ps: torch.optim.Adam(ps, lr=LR, betas=(B1, B2), eps=EPS, foreach=True), [n])
-    else:
-      runners["torch Adamax foreach"] = torch_runner(
-          lambda ps: torch.optim.Adamax(ps, lr=LR, betas=(B1, B2), eps=EPS, foreach=True), [n])
+    if algo in ("adamw", "amsgrad"):  # the same bandwidth as Adam? Adam's kernel alongside
+      runners["ak.fused_adam (CPU kernel, plain Adam)"] = fused_runner(
+          ak.fused_adam(LR, B1, B2, EPS, eps_mode="corrected", backend="kernel"), params,
+          grads)[1]
+  for name, make_opt in torch_makers.items():
+    runners[name] = torch_runner(make_opt, [n])
   times = common.interleave(runners, reps)
   del runners
   gc.collect()
@@ -151,14 +196,7 @@ def many_leaves(algo: str, reps: int, kernel: bool):
             for i, s in enumerate(shapes)}
   grads = jax.tree.map(lambda p: 0.01 * p, params)
   n = sum(int(np.prod(s)) for s in shapes)
-  if algo == "adam":
-    base = ("optax.adam", optax.adam(LR, B1, B2, EPS))
-    chain = ("ak.adam (optax protocol)", ak.adam(LR, B1, B2, EPS, eps_mode="corrected"))
-    make = lambda **kw: ak.fused_adam(LR, B1, B2, EPS, eps_mode="corrected", **kw)
-  else:
-    base = ("optax.adamax", optax.adamax(LR, B1, B2, EPS))
-    chain = ("ak.adamax (optax protocol)", ak.adamax(LR, B1, B2, EPS))
-    make = lambda **kw: ak.fused_adamax(LR, B1, B2, EPS, **kw)
+  base, chain, make, torch_makers = _contenders(algo)
   runners, compiles = {}, {}
   for name, tx in (base, chain):
     fn, runners[name] = optax_runner(tx, params, grads)
@@ -172,31 +210,25 @@ def many_leaves(algo: str, reps: int, kernel: bool):
     opt = make(**kw)
     fn, runners[name] = fused_runner(opt, params, grads)
     compiles[name] = compile_seconds(fn, params, opt.init(params), grads)
-  if torch is not None:
-    sizes = [int(np.prod(s)) for s in shapes]
-    if algo == "adam":
-      runners["torch Adam fused"] = torch_runner(
-          lambda ps: torch.optim.Adam(ps, lr=LR, fused=True), sizes)
-      runners["torch Adam foreach"] = torch_runner(
-          lambda ps: torch.optim.Adam(ps, lr=LR, foreach=True), sizes)
-    else:
-      runners["torch Adamax foreach"] = torch_runner(
-          lambda ps: torch.optim.Adamax(ps, lr=LR, foreach=True), sizes)
+  sizes = [int(np.prod(s)) for s in shapes]
+  for name, make_opt in torch_makers.items():
+    runners[name] = torch_runner(make_opt, sizes)
   return n, len(shapes), common.interleave(runners, reps), compiles
 
 
 # --------------------------------------------------------------------------- report
 
 
-def dense_rows(times, n, baseline, torch_name):
+def dense_rows(times, n, baseline, torch_name, nbytes=BYTES_PER_PARAM):
   med = {k: common.median_ms(v) for k, v in times.items()}
-  probe = med.get("probe (28 B/param, in place)")
+  probe = med.get(f"probe ({nbytes} B/param, in place)")
   rows = []
   for name, ms in med.items():
-    gbs = BYTES_PER_PARAM * n / (ms * 1e-3) / 1e9
+    own = BYTES_PER_PARAM if "plain Adam" in name else nbytes  # the row's own traffic
+    gbs = own * n / (ms * 1e-3) / 1e9
     rows.append([name, ms, ms / med[baseline],
                  ms / med[torch_name] if torch_name in med else "-", gbs,
-                 f"{100 * probe / ms:.0f}%" if probe else "-"])
+                 f"{100 * gbs / (nbytes * n / (probe * 1e-3) / 1e9):.0f}%" if probe else "-"])
   return rows, med
 
 
@@ -205,7 +237,15 @@ def main(argv=None):
   ap.add_argument("--sizes", default="1000000,16000000,64000000")
   ap.add_argument("--quick", action="store_true", help="1M and 4M, fewer repeats")
   ap.add_argument("--no-kernel", action="store_true", help="skip the CPU kernel rows")
+  ap.add_argument("--algos", default=",".join(ALGOS),
+                  help=f"comma-separated, of {', '.join(ALGOS)} (default: all)")
+  ap.add_argument("--no-many-leaves", action="store_true",
+                  help="skip the 300-leaf step and compile time scenario")
   args = ap.parse_args(argv)
+  algos = args.algos.split(",")
+  for a in algos:
+    if a not in ALGOS:
+      ap.error(f"--algos: unknown {a!r}; choose from {', '.join(ALGOS)}")
   sizes = [1_000_000, 4_000_000] if args.quick else [int(s) for s in args.sizes.split(",")]
   kernel = not args.no_kernel
   if kernel and not ak.cpu_kernel_available():
@@ -218,28 +258,28 @@ def main(argv=None):
         f"torch {torch.__version__ if torch else 'not installed'}, {os.cpu_count()} CPUs, "
         f"CPU kernel {'on' if kernel else 'off'}")
   result = {"bytes_per_param": BYTES_PER_PARAM, "scenarios": []}
-  header = ["contender", "median ms", "vs optax", "vs torch fused", "GB/s (28 B/param)",
-            "of probe"]
+  torch_ref = {"adam": "torch Adam fused", "adamax": "torch Adamax foreach",
+               "adamw": "torch AdamW fused", "amsgrad": "torch Adam(amsgrad) fused"}
 
-  for algo in ("adam", "adamax"):
-    baseline = f"optax.{algo}"
+  for algo in algos:
+    baseline = _contenders(algo)[0][0]
+    nbytes = BYTES[algo]
+    header = ["contender", "median ms", "vs optax",
+              "vs torch foreach" if algo == "adamax" else "vs torch fused",
+              f"GB/s ({nbytes} B/param)", "of probe"]
     for n in sizes:
       reps = 5 if args.quick else (31 if n <= 2_000_000 else 21 if n <= 20_000_000 else 11)
       times = dense(algo, n, reps, kernel)
-      rows, med = dense_rows(times, n, baseline, "torch Adam fused")
-      if algo == "adamax":
-        header_ = header[:3] + ["vs torch foreach"] + header[4:]
-        rows, med = dense_rows(times, n, baseline, "torch Adamax foreach")
-      else:
-        header_ = header
+      rows, med = dense_rows(times, n, baseline, torch_ref[algo], nbytes)
       print(common.table(f"{algo}, one float32 leaf of {n / 1e6:g}M parameters "
-                         f"({reps} interleaved steps, medians)", header_, rows))
+                         f"({reps} interleaved steps, medians; {nbytes} bytes per parameter)",
+                         header, rows))
       result["scenarios"].append({"name": f"{algo}_dense", "algo": algo, "params": n,
-                                  "reps": reps, "median_ms": med,
+                                  "reps": reps, "bytes_per_param": nbytes, "median_ms": med,
                                   "samples_s": times})
       sys.stdout.flush()
 
-  for algo in ("adam", "adamax"):
+  for algo in () if args.no_many_leaves else [a for a in ("adam", "adamax") if a in algos]:
     n, leaves, times, compiles = many_leaves(algo, 7 if args.quick else 21, kernel)
     med = {k: common.median_ms(v) for k, v in times.items()}
     base = f"optax.{algo}"
@@ -253,7 +293,8 @@ def main(argv=None):
                                 "samples_s": times})
     sys.stdout.flush()
 
-  print(f"\nwrote {common.write_json('bench_dense', result)}")
+  name = "bench_dense" if set(algos) == set(ALGOS) else "bench_dense_" + "_".join(algos)
+  print(f"\nwrote {common.write_json(name, result)}")
 
 
 if __name__ == "__main__":

@@ -53,13 +53,19 @@ REGISTRY = {
     "master_weights_sparse_adam": lambda lr: ak.master_weights(ak.sparse_adam(lr)),
     "offload_adamw_amsgrad_state": lambda lr: ak.offload(ak.adamw(lr, amsgrad=True), mode="state"),
     "master_weights_adamw": lambda lr: ak.master_weights(ak.adamw(lr)),
+    # issue 13: lazy AMSGrad and lazy AdamW (dense leaves here; row-sparse in test_sparse.py)
+    "sparse_adam_amsgrad": lambda lr: ak.sparse_adam(lr, amsgrad=True, weight_decay=0.01),
+    "sparse_adamw": lambda lr: ak.sparse_adamw(lr),
+    "sparse_adamw_amsgrad_mindspore": lambda lr: ak.sparse_adamw(
+        lr, weight_decay=0.05, amsgrad=True, bias_correction=False, eps_mode="hat"),
 }
 
 NAMES = sorted(REGISTRY)
 
 # The entries that take RowSparse gradients (the others refuse them with a TypeError).
 SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",
-          "master_weights_sparse_adam")
+          "master_weights_sparse_adam", "sparse_adam_amsgrad", "sparse_adamw",
+          "sparse_adamw_amsgrad_mindspore")
 
 # MultiSteps' lax.cond cannot mix host-resident and device scalars, so an offloaded
 # optimizer is accumulated the other way round: the offload wraps MultiSteps (documented

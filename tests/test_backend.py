@@ -122,48 +122,63 @@ def test_library_works_without_its_native_backend(tmp_path):
 # ------------------------------------------------------- the operations, on either backend
 
 
-def hyper(kind="hat", nesterov=False, lr=0.1, wd=0.0):
+def hyper(kind="hat", nesterov=False, lr=0.1, wd=0.0, amsgrad=False, decoupled=False):
   f = jnp.float32
-  return _ops.Hyper(kind, nesterov, f(0.9), f(0.999), f(1e-8), f(0.1), f(0.001), lr=f(lr), wd=f(wd))
+  return _ops.Hyper(kind, nesterov, f(0.9), f(0.999), f(1e-8), f(0.1), f(0.001), lr=f(lr),
+                    wd=f(wd), amsgrad=amsgrad, decoupled=decoupled)
 
 
-@pytest.mark.parametrize("kind", ["hat", "corrected", "adamax"])
-def test_dense_step_same_numbers_on_either_backend(kernel, kind):
+VARIANTS = [("hat", {}), ("corrected", {}), ("adamax", {}),
+            ("hat", dict(amsgrad=True)), ("corrected", dict(amsgrad=True, nesterov=True)),
+            ("corrected", dict(decoupled=True)), ("hat", dict(decoupled=True, amsgrad=True))]
+
+
+@pytest.mark.parametrize("kind,kw", VARIANTS)
+def test_dense_step_same_numbers_on_either_backend(kernel, kind, kw):
   rng = np.random.default_rng(0)
   ps = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(7, 3), (5,), (2, 2, 2)]]
   gs = [jnp.asarray(rng.normal(size=p.shape), jnp.float32) for p in ps]
-  m = jnp.asarray(rng.normal(size=44) ** 2, jnp.float32)
-  v = jnp.asarray(rng.normal(size=44) ** 2, jnp.float32)
-  at = [3, 24, 29]  # leaves back to back from offset 3, in a buffer with room around them
+  h = hyper(kind, wd=0.01, **kw)
+  # m, v (and vmax): 44 elements each, the leaves back to back from offset 3
+  state = tuple(jnp.asarray(rng.normal(size=44) ** 2, jnp.float32) for _ in range(_ops.state_size(h)))
+  at = [[3, 24, 29]] * len(state)
   out = {}
   for backend in ("kernel", "xla"):
-    fn = lambda ps, gs, m, v, b=backend: _ops.dense_step(hyper(kind, wd=0.01), ps, gs, m, v,
-                                                         m_at=at, v_at=at, decay=True, backend=b)
-    out[backend] = jax.jit(fn)(ps, gs, m, v)
-    text = jax.jit(fn).lower(ps, gs, m, v).as_text()
+    fn = lambda ps, gs, state, b=backend: _ops.dense_step(h, ps, gs, state, at=at, decay=True,
+                                                          backend=b)
+    out[backend] = jax.jit(fn)(ps, gs, state)
+    text = jax.jit(fn).lower(ps, gs, state).as_text()
     assert ("adamkit_cpu_step" in text) == (backend == "kernel")
   for a, b in zip(jax.tree.leaves(out["kernel"]), jax.tree.leaves(out["xla"])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
-  new_m = np.asarray(out["kernel"][1])
+  if kw.get("amsgrad"):  # the running maximum moved where v rose above it, and only there
+    new_v, new_vmax = (np.asarray(x) for x in out["kernel"][1][1:])
+    np.testing.assert_array_equal(new_vmax[3:37], np.maximum(np.asarray(state[2])[3:37], new_v[3:37]))
+    assert np.any(new_vmax[3:37] != np.asarray(state[2])[3:37])
+  new_m = np.asarray(out["kernel"][1][0])
+  m = state[0]
   np.testing.assert_array_equal(new_m[:3], np.asarray(m)[:3])  # outside the leaves: untouched
   np.testing.assert_array_equal(new_m[37:], np.asarray(m)[37:])
   assert not np.array_equal(new_m[3:37], np.asarray(m)[3:37])
 
 
 @pytest.mark.parametrize("merge", [True, False])
-def test_row_ops_same_numbers_on_either_backend(kernel, merge):
+@pytest.mark.parametrize("kw", [{}, dict(amsgrad=True), dict(decoupled=True, wd=0.1),
+                                dict(decoupled=True, wd=0.1, amsgrad=True)])
+def test_row_ops_same_numbers_on_either_backend(kernel, merge, kw):
   rng = np.random.default_rng(1)
   table = jnp.asarray(rng.normal(size=(50, 3)), jnp.float32)
-  m, v = jnp.zeros_like(table), jnp.ones_like(table)
+  h = hyper(**kw)
+  state = (jnp.zeros_like(table), jnp.ones_like(table), 2.0 * jnp.ones_like(table))[:_ops.state_size(h)]
   ids = jnp.array([4, 9, 4, -1, 50, 17] if merge else [4, 9, 17], jnp.int32)
   g = ak.RowSparse.tree_unflatten(50, (ids, jnp.asarray(rng.normal(size=(len(ids), 3)), jnp.float32)))
   out = {}
   for backend in ("kernel", "xla"):
-    step = _ops.lazy_row_step(hyper(), table, g, m, v, merge=merge, backend=backend)
-    ids_u, u, m2, v2 = _ops.lazy_rows(hyper(), g, m, v, table_shape=table.shape, merge=merge,
+    step = _ops.lazy_row_step(h, table, g, state, merge=merge, decay=h.decoupled, backend=backend)
+    ids_u, u, state2 = _ops.lazy_rows(h, g, state, table_shape=table.shape, merge=merge,
                                       backend=backend)
     added = _ops.row_add(table, g, backend=backend)
-    out[backend] = (step, m2, v2, added)
+    out[backend] = (step, state2, added)
   for a, b in zip(jax.tree.leaves(out["kernel"]), jax.tree.leaves(out["xla"])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
   moved = np.flatnonzero(np.any(np.asarray(out["kernel"][0][0]) != np.asarray(table), axis=1))
@@ -175,12 +190,17 @@ def test_ops_refuse_mismatched_buffers():
   table = jnp.zeros((1000, 4))
   g = ak.RowSparse(jnp.array([1, 2]), jnp.ones((2, 4)), 1000)
   with pytest.raises(ValueError, match="first moment"):
-    _ops.lazy_row_step(h, table, g, jnp.zeros((10, 4)), jnp.zeros((1000, 4)), backend="xla")
+    _ops.lazy_row_step(h, table, g, (jnp.zeros((10, 4)), jnp.zeros((1000, 4))), backend="xla")
   with pytest.raises(ValueError, match="one row of values per id"):
-    _ops.lazy_row_step(h, table, g.with_values(jnp.ones((1, 4))), table, table, backend="xla")
+    _ops.lazy_row_step(h, table, g.with_values(jnp.ones((1, 4))), (table, table), backend="xla")
   with pytest.raises(ValueError, match="cannot hold"):
-    _ops.dense_step(h, [jnp.ones(8)], [jnp.ones(8)], jnp.zeros(10), jnp.zeros(10), m_at=[4],
-                    v_at=[0], backend="xla")
+    _ops.dense_step(h, [jnp.ones(8)], [jnp.ones(8)], (jnp.zeros(10), jnp.zeros(10)),
+                    at=([4], [0]), backend="xla")
+  ams = hyper(amsgrad=True)
+  with pytest.raises(ValueError, match="3 moment buffers"):
+    _ops.dense_step(ams, [jnp.ones(8)], [jnp.ones(8)], (jnp.zeros(8), jnp.zeros(8)), backend="xla")
+  with pytest.raises(ValueError, match="running maximum"):
+    _ops.lazy_row_step(ams, table, g, (table, table, jnp.zeros((999, 4))), backend="xla")
   with pytest.raises(ValueError, match="does not fit"):
     _ops.row_add(table, ak.RowSparse(jnp.array([1]), jnp.ones((1, 3)), 1000), backend="xla")
 
@@ -197,23 +217,35 @@ def test_kernels_refuse_mismatched_sizes_themselves(kernel):
   f32 = lambda *s: jnp.zeros(s, jnp.float32)
   sd = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   s9 = f32(9)
+  adam = dict(kind=np.int64(0), nesterov=False, decay=np.int64(0), amsgrad=False, state=np.int64(2))
+  ams = dict(adam, amsgrad=True, state=np.int64(3))
   p, small, big = f32(100), f32(10), f32(100)
-  with pytest.raises(Exception, match="smaller than its params"):  # first moment too small
-    raw_call("adamkit_cpu_step", [sd(p), sd(small), sd(big)], s9, p, p, small, big,
-             kind=np.int64(0), nesterov=False, decay=False, offset=np.int64(0), state=np.int64(2))
-  with pytest.raises(Exception, match="smaller than its params"):  # second moment too small
-    raw_call("adamkit_cpu_step", [sd(p), sd(big), sd(small)], s9, p, p, big, small,
-             kind=np.int64(0), nesterov=False, decay=False, offset=np.int64(0), state=np.int64(2))
+  for attrs, state in [(adam, (small, big)), (adam, (big, small)), (ams, (big, big, small))]:
+    with pytest.raises(Exception, match="smaller than its params"):  # one buffer too small
+      raw_call("adamkit_cpu_step", [sd(p), *map(sd, state)], s9, p, p, *state,
+               offset=np.int64(0), **attrs)
+  for attrs, state in [(dict(adam, state=np.int64(3)), (big, big, big)), (ams, (big, big)),
+                       (dict(ams, kind=np.int64(2)), (big, big, big)),
+                       (dict(adam, decay=np.int64(3)), (big, big))]:
+    with pytest.raises(Exception, match=r"unknown variant or state count|2L\+S arguments"):
+      raw_call("adamkit_cpu_step", [sd(p), *map(sd, state)], s9, p, p, *state,
+               offset=np.int64(0), **attrs)
   ids = jnp.array([1, 2, 3, 4], jnp.int32)
   table = f32(100, 8)
+  lazy = dict(apply=True, merge=True, offset=np.int64(0), num_rows=np.int64(100))
   with pytest.raises(Exception, match="gradient rows do not match ids"):  # 2 rows for 4 ids
     raw_call("adamkit_cpu_sparse_lazy", [sd(table)] * 3, s9, ids, f32(2, 16), table, table,
-             table, kind=np.int64(0), nesterov=False, apply=True, merge=True,
-             offset=np.int64(0), num_rows=np.int64(100))
+             table, **adam, **lazy)
   with pytest.raises(Exception, match="first moment is smaller"):
     raw_call("adamkit_cpu_sparse_lazy", [sd(f32(10, 8)), sd(table), sd(table)], s9, ids,
-             f32(4, 8), f32(10, 8), table, table, kind=np.int64(0), nesterov=False, apply=True,
-             merge=True, offset=np.int64(0), num_rows=np.int64(100))
+             f32(4, 8), f32(10, 8), table, table, **adam, **lazy)
+  with pytest.raises(Exception, match="running maximum is smaller"):
+    raw_call("adamkit_cpu_sparse_lazy", [sd(table), sd(table), sd(f32(10, 8)), sd(table)], s9,
+             ids, f32(4, 8), table, table, f32(10, 8), table, **ams, **lazy)
+  with pytest.raises(Exception, match="unknown variant"):  # decoupled decay needs the table
+    raw_call("adamkit_cpu_sparse_lazy", [sd(table), sd(table), sd(f32(4)), sd(f32(4, 8))], s9,
+             ids, f32(4, 8), table, table, **dict(adam, decay=np.int64(2)),
+             **dict(lazy, apply=False))
   with pytest.raises(Exception, match="rows do not match"):
     raw_call("adamkit_cpu_row_add", sd(table), ids, f32(4, 3), table)
 
@@ -280,8 +312,8 @@ def test_concrete_sharded_arrays_never_take_the_kernel(kernel):
     pytest.skip("needs 8 devices")
   sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
   p = jax.device_put(jnp.ones(64), sharding)
-  new, m, v = _ops.dense_step(hyper(), [p], [p], jnp.zeros_like(p), jnp.zeros_like(p),
-                              backend="kernel")
+  new, (m, v) = _ops.dense_step(hyper(), [p], [p], (jnp.zeros_like(p), jnp.zeros_like(p)),
+                                backend="kernel")
   assert new[0].sharding.is_equivalent_to(sharding, 1) and m.sharding.is_equivalent_to(sharding, 1)
 
 

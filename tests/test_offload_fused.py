@@ -67,6 +67,9 @@ CASES = {
     "adam-decay-corrected": (ak.fused_adam, ak.adam,
                              dict(weight_decay=0.1, eps_mode="corrected")),
     "adamax": (ak.fused_adamax, ak.adamax, dict(weight_decay=0.1)),
+    "adam-amsgrad": (ak.fused_adam, ak.adam, dict(amsgrad=True, weight_decay=0.1)),
+    "adamw-amsgrad": (ak.fused_adamw, ak.adamw, dict(amsgrad=True, weight_decay=0.1)),
+    "adamw-paddle": (ak.fused_adamw, ak.adamw, dict(weight_decay=0.1, weight_decay_mask=None)),
 }
 
 

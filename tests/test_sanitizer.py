@@ -1,9 +1,10 @@
 """Memory safety of the C++ kernels, checked on every test run.
 
 Builds ``adamkit/_cpu/adam_kernels.cc`` with ``-fsanitize=address,undefined`` and drives
-every entry point (``sparse_adam`` + ``apply_updates``, ``fused_adam`` per leaf and
-multi-tensor with a table between dense leaves, ``fused_sparse_lazy_adam``, the dense step,
-and each kernel called directly past the Python checks) with adversarial inputs, in a
+every entry point (``sparse_adam`` and ``sparse_adamw(amsgrad=True)`` + ``apply_updates``,
+``fused_adam`` and ``fused_adamw(amsgrad=True)`` per leaf and multi-tensor with a table
+between dense leaves, ``fused_sparse_lazy_adam``, the dense step of every variant, and each
+kernel called directly past the Python checks) with adversarial inputs, in a
 subprocess with AddressSanitizer preloaded. Passes when the subprocess reports zero
 sanitizer errors and no row of a table or moment that no valid id addresses has changed.
 Skipped, with the reason, only where no C++ compiler (or no ASan runtime) exists.
@@ -66,6 +67,7 @@ def test_kernels_under_address_and_undefined_behaviour_sanitizers(sanitized_kern
 
 def _drive():  # noqa: C901 - one list of cases
   import functools
+  import itertools
 
   import jax
   import jax.numpy as jnp
@@ -112,8 +114,10 @@ def _drive():  # noqa: C901 - one list of cases
       if k:
         vals = vals.at[0, 0].set(jnp.nan).at[k - 1, -1].set(jnp.inf)
       repeats = len(set(ids.tolist())) < len(ids)
-      for unique in (False, True) if repeats else (False,):
-        tx = ak.sparse_adam(0.1, weight_decay=0.01, unique_ids=unique, backend="kernel")
+      transforms = [functools.partial(ak.sparse_adam, weight_decay=0.01),
+                    functools.partial(ak.sparse_adamw, weight_decay=0.01, amsgrad=True)]
+      for unique, make in itertools.product((False, True) if repeats else (False,), transforms):
+        tx = make(0.1, unique_ids=unique, backend="kernel")
         p = {"emb": table(n, width)}
         state = tx.init(p)
 
@@ -133,10 +137,13 @@ def _drive():  # noqa: C901 - one list of cases
       out = op(var, m, v, 0.9, 0.999, 0.01, 0.9, 0.999, 1e-8, vals, ids)
       unaddressed_rows_kept((var, m, v), out, ids, n)
 
-      # fused_adam: a table between two dense leaves, per leaf and multi-tensor.
-      for mt in (True, False):
-        opt = ak.fused_adam(0.1, weight_decay=0.01, multi_tensor=mt, unique_ids=False,
-                            backend="kernel")
+      # fused_adam and fused_adamw(amsgrad): a table between two dense leaves, per leaf
+      # and multi-tensor.
+      fused = [functools.partial(ak.fused_adam, weight_decay=0.01),
+               functools.partial(ak.fused_adamw, weight_decay=0.01, amsgrad=True,
+                                 weight_decay_mask=None)]
+      for mt, make in itertools.product((True, False), fused):
+        opt = make(0.1, multi_tensor=mt, unique_ids=False, backend="kernel")
         params = {"a": table(5, 7), "b_emb": table(n, width), "c": jnp.ones(1000)}
         state = opt.init(params)
 
@@ -147,24 +154,30 @@ def _drive():  # noqa: C901 - one list of cases
           return opt.step(params, state, grads)
 
         new, new_state = fused_step(params, state, ids, vals)
+        moments = lambda s: s[1:]  # noqa: E731 - mu, nu (and nu_max)
         if mt:
           at = 35  # the table's moments lie after leaf "a" in the flat buffer
           span = slice(at, at + n * width)
-          before = [params["b_emb"], state.mu["float32"][span], state.nu["float32"][span]]
-          after = [new["b_emb"], new_state.mu["float32"][span], new_state.nu["float32"][span]]
+          before = [params["b_emb"], *(x["float32"][span] for x in moments(state))]
+          after = [new["b_emb"], *(x["float32"][span] for x in moments(new_state))]
         else:
-          before = [params["b_emb"], state.mu["b_emb"], state.nu["b_emb"]]
-          after = [new["b_emb"], new_state.mu["b_emb"], new_state.nu["b_emb"]]
+          before = [params["b_emb"], *(x["b_emb"] for x in moments(state))]
+          after = [new["b_emb"], *(x["b_emb"] for x in moments(new_state))]
         unaddressed_rows_kept(before, after, ids, n)
 
-  # --- the dense step on leaves of sizes 0, 1, 17 and one split over the thread pool
-  for sizes in [(1,), (17, 0, 3), (300_000,), (5, 200_000)]:
-    for mt in (True, False):
-      opt = ak.fused_adam(0.1, weight_decay=0.1, nesterov=True, multi_tensor=mt, backend="kernel")
-      params = {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(sizes)}
-      grads = {k: jnp.where(jnp.arange(x.size) % 7 == 0, jnp.nan, x) for k, x in params.items()}
-      jax.block_until_ready(jax.jit(opt.step)(params, opt.init(params), grads))
-      counts["cases"] += 1
+  # --- the dense step of each variant on leaves of sizes 0, 1, 17 and one split over the
+  # thread pool
+  dense = [functools.partial(ak.fused_adam, weight_decay=0.1, nesterov=True),
+           functools.partial(ak.fused_adam, amsgrad=True, eps_mode="corrected"),
+           functools.partial(ak.fused_adamw, amsgrad=True, bias_correction=False),
+           functools.partial(ak.fused_adamax, weight_decay=0.1)]
+  for sizes, make, mt in itertools.product([(1,), (17, 0, 3), (300_000,), (5, 200_000)], dense,
+                                           (True, False)):
+    opt = make(0.1, multi_tensor=mt, backend="kernel")
+    params = {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(sizes)}
+    grads = {k: jnp.where(jnp.arange(x.size) % 7 == 0, jnp.nan, x) for k, x in params.items()}
+    jax.block_until_ready(jax.jit(opt.step)(params, opt.init(params), grads))
+    counts["cases"] += 1
 
   # --- malformed states and values through the public API: refused before any kernel runs
   big = {"w": jnp.ones(100_000)}
@@ -173,6 +186,9 @@ def _drive():  # noqa: C901 - one list of cases
   refused(jax.jit(opt.step), big, opt.init(big)._replace(nu={"w": jnp.zeros(10)}), big)
   refused(jax.jit(opt.step), big,
           opt.init(big)._replace(mu={"w": jnp.zeros(100_000, jnp.int32)}), big)
+  ams = ak.fused_adamw(0.1, amsgrad=True, multi_tensor=False, backend="kernel")
+  refused(jax.jit(ams.step), big, ams.init(big)._replace(nu_max={"w": jnp.zeros(10)}), big)
+  refused(jax.jit(ams.step), big, opt.init(big), big)  # no running maximum at all
   short = ak.RowSparse(jnp.array([1, 2, 3, 4]), jnp.ones((4, 8)), 100).with_values(jnp.ones((2, 8)))
   emb = {"e": jnp.zeros((100, 8))}
   tx = ak.sparse_adam(0.1, backend="kernel")
@@ -186,24 +202,40 @@ def _drive():  # noqa: C901 - one list of cases
   sd = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   s9 = f32(9)
   call = lambda target, outs, *a, **kw: jax.ffi.ffi_call(target, outs)(*a, **kw)
-  step_attrs = dict(kind=np.int64(0), nesterov=False, decay=True, state=np.int64(2))
+  step_attrs = dict(kind=np.int64(0), nesterov=False, decay=np.int64(1), amsgrad=False,
+                    state=np.int64(2))
+  ams_attrs = dict(step_attrs, decay=np.int64(2), amsgrad=True, state=np.int64(3))
   p, small, full = f32(100_000), f32(10), f32(100_000)
-  for m, v, off in [(small, full, 0), (full, small, 0), (full, full, 1), (full, full, -5)]:
-    refused(call, "adamkit_cpu_step", [sd(p), sd(m), sd(v)], s9, p, p, m, v,
-            offset=np.int64(off), **step_attrs)
+  for state, off, attrs in [((small, full), 0, step_attrs), ((full, small), 0, step_attrs),
+                            ((full, full), 1, step_attrs), ((full, full), -5, step_attrs),
+                            ((full, full, small), 0, ams_attrs), ((full, full, full), 1, ams_attrs),
+                            ((full, full), 0, ams_attrs),  # AMSGrad without its third buffer
+                            ((full, full, full), 0, step_attrs),  # a third buffer, no AMSGrad
+                            ((full, full, full), 0, dict(ams_attrs, kind=np.int64(2)))]:
+    refused(call, "adamkit_cpu_step", [sd(p), *map(sd, state)], s9, p, p, *state,
+            offset=np.int64(off), **attrs)
   refused(call, "adamkit_cpu_step", [sd(p), sd(full), sd(full)], s9, p, f32(99_999), full, full,
           offset=np.int64(0), **step_attrs)
   ids = jnp.array([1, 2, 3, 99], jnp.int32)
   tbl = f32(100, 8)
-  lazy_attrs = dict(kind=np.int64(0), nesterov=False, apply=True, merge=True)
+  lazy_attrs = dict(step_attrs, decay=np.int64(0), apply=True, merge=True)
+  lazy_ams = dict(ams_attrs, apply=True, merge=True)
   for rows, m, off, n in [(f32(2, 16), tbl, 0, 100), (f32(4, 8), f32(10, 8), 0, 100),
                           (f32(4, 8), tbl, 8, 100), (f32(4, 8), tbl, 0, 101),
                           (f32(4, 8), tbl, 0, -1), (f32(4, 8), tbl, -8, 100)]:
     refused(call, "adamkit_cpu_sparse_lazy", [sd(m), sd(tbl), sd(tbl)], s9, ids, rows, m, tbl,
             tbl, offset=np.int64(off), num_rows=np.int64(n), **lazy_attrs)
+    refused(call, "adamkit_cpu_sparse_lazy", [sd(tbl), sd(tbl), sd(m), sd(tbl)], s9, ids, rows,
+            tbl, tbl, m, tbl, offset=np.int64(off), num_rows=np.int64(n), **lazy_ams)
+  refused(call, "adamkit_cpu_sparse_lazy", [sd(tbl), sd(tbl), sd(tbl)], s9, ids, f32(4, 8), tbl,
+          tbl, tbl, offset=np.int64(0), num_rows=np.int64(100), **lazy_ams)  # no table: 3 args
   refused(call, "adamkit_cpu_sparse_lazy", [sd(tbl), sd(tbl), sd(f32(4)), sd(f32(4, 8))], s9,
           ids, f32(4, 8), tbl, tbl, offset=np.int64(0), num_rows=np.int64(100),
           **dict(lazy_attrs, apply=False))
+  refused(call, "adamkit_cpu_sparse_lazy",  # decoupled decay needs the table
+          [sd(tbl), sd(tbl), sd(tbl), sd(f32(4).astype(jnp.int32)), sd(f32(4, 8))], s9, ids,
+          f32(4, 8), tbl, tbl, tbl, offset=np.int64(0), num_rows=np.int64(100),
+          **dict(lazy_ams, apply=False))
   for rows, t in [(f32(2, 8), tbl), (f32(4, 3), tbl), (f32(4, 8, 1), tbl), (f32(4), f32(100, 1))]:
     refused(call, "adamkit_cpu_row_add", sd(t), ids, rows, t)
   print(f"sanitizer driver: all {counts['cases']} cases held, {counts['refused']} malformed "

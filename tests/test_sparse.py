@@ -847,3 +847,179 @@ def test_int64_ids_past_int32_are_caught_outside_jit():
     ak.fused_sparse_lazy_adam(np.zeros((10, 4), np.float32), np.zeros((10, 4), np.float32),
                               np.zeros((10, 4), np.float32), 0.9, 0.999, 0.1, 0.9, 0.999, 1e-8,
                               np.ones((1, 4), np.float32), np.array([2**32 + 3]))
+
+
+# ------------------------------------------------ lazy AMSGrad and lazy AdamW (issue 13)
+
+
+def ref_adamw_step(w, m, v, vmax, ids, vals, t, *, lr, b1=0.9, b2=0.999, eps=1e-8, lazy=True,
+                   eps_mode="corrected", wd=0.0, amsgrad=False, bias_correction=True):
+  """One sparse AdamW (decoupled decay) / AMSGrad step in float64 NumPy, from the formulas:
+  duplicate ids summed, the moments (and the running max of the raw v) of the rows that
+  move, u + wd * w on those rows once, then -lr. ``wd=0`` is sparse Adam with AMSGrad."""
+  w, m, v, vmax = (np.array(x, np.float64) for x in (w, m, v, vmax))
+  ids = np.asarray(ids)
+  g = np.zeros_like(w)
+  np.add.at(g, ids, np.asarray(vals, np.float64))
+  rows = np.unique(ids) if lazy else np.arange(w.shape[0])
+  gr = g[rows]
+  m[rows] = b1 * m[rows] + (1 - b1) * gr
+  v[rows] = b2 * v[rows] + (1 - b2) * gr * gr
+  den = v[rows]
+  if amsgrad:
+    den = vmax[rows] = np.maximum(vmax[rows], v[rows])
+  bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if bias_correction else (1.0, 1.0)
+  if eps_mode == "hat":
+    u = np.sqrt(bc2) / bc1 * m[rows] / (np.sqrt(den) + eps)
+  else:
+    u = (m[rows] / bc1) / (np.sqrt(den / bc2) + eps)
+  w[rows] -= lr * (u + wd * w[rows])
+  return w, m, v, vmax
+
+
+SPARSE_W_CASES = [  # (factory, options, reference options)
+    ("sparse_adam", dict(amsgrad=True, b2=0.9), dict(amsgrad=True, b2=0.9, eps_mode="hat")),
+    ("sparse_adam", dict(amsgrad=True, eps_mode="corrected", lazy=False),
+     dict(amsgrad=True, lazy=False)),
+    ("sparse_adamw", dict(weight_decay=0.1), dict(wd=0.1)),
+    ("sparse_adamw", dict(weight_decay=0.1, amsgrad=True, b2=0.9), dict(wd=0.1, amsgrad=True, b2=0.9)),
+    ("sparse_adamw", dict(weight_decay=0.1, eps=1e-6, bias_correction=False, eps_mode="hat"),
+     dict(wd=0.1, eps=1e-6, bias_correction=False, eps_mode="hat")),
+    ("sparse_adamw", dict(weight_decay=0.1, lazy=False, amsgrad=True),
+     dict(wd=0.1, lazy=False, amsgrad=True)),
+]
+
+
+@pytest.mark.parametrize("factory,kw,ref_kw", SPARSE_W_CASES)
+def test_sparse_amsgrad_and_adamw_against_float64(factory, kw, ref_kw, backend):
+  """A table (decayed), a table spared by the name mask ("gamma") and a dense leaf: the
+  transform + ak.apply_updates against the float64 formulas; in lazy mode the rows (and
+  moments, running max included) of untouched rows keep their bits."""
+  rng = np.random.default_rng(7)
+  n, d = 12, 3
+  emb, gamma = (rng.normal(size=(n, d)).astype(np.float32) for _ in range(2))
+  dense = rng.normal(size=(4,)).astype(np.float32)
+  params = {"emb": jnp.asarray(emb), "gamma": jnp.asarray(gamma), "w": jnp.asarray(dense)}
+  tx = getattr(ak, factory)(0.05, backend=backend, **kw)
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, p: (lambda u, s: (ak.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  zero = lambda x: np.zeros_like(x, np.float64)  # noqa: E731
+  ref = {k: (x, zero(x), zero(x), zero(x)) for k, x in
+         (("emb", emb), ("gamma", gamma), ("w", dense[:, None]))}
+  ref_kw = dict(ref_kw)
+  wd = ref_kw.pop("wd", 0.0)
+  touched = set()
+  for t in range(1, 4):
+    ids = rng.integers(0, n, size=6)
+    touched |= set(ids.tolist())
+    ge, gg = (rng.normal(size=(6, d)).astype(np.float32) for _ in range(2))
+    gd = rng.normal(size=(4,)).astype(np.float32)
+    grads = {"emb": ak.RowSparse(ids, ge, n), "gamma": ak.RowSparse(ids, gg, n),
+             "w": jnp.asarray(gd)}
+    before = params
+    params, state = step(grads, state, params)
+    ref["emb"] = ref_adamw_step(*ref["emb"], ids, ge, t, lr=0.05, wd=wd, **ref_kw)
+    ref["gamma"] = ref_adamw_step(*ref["gamma"], ids, gg, t, lr=0.05, **ref_kw)
+    ref["w"] = ref_adamw_step(*ref["w"], np.arange(4), gd[:, None], t, lr=0.05, wd=wd,
+                              **dict(ref_kw, lazy=False))
+    tol = 1e-5 if not ref_kw.get("bias_correction", True) else ROUNDING_TOL
+    for name in ("emb", "gamma"):
+      assert rel_err(params[name], ref[name][0], 1.0) < tol, (name, t)
+    assert rel_err(params["w"], ref["w"][0][:, 0], 1.0) < tol
+    if kw.get("lazy", True):  # rows not in this batch: bits kept, no decay
+      absent = np.setdiff1d(np.arange(n), ids)
+      np.testing.assert_array_equal(np.asarray(params["emb"])[absent],
+                                    np.asarray(before["emb"])[absent])
+  moments = _moments(state)
+  assert isinstance(moments, ak.ScaleByAmsgradState) == bool(kw.get("amsgrad"))
+  if kw.get("amsgrad"):
+    # 1 - b2 formed from float32 b2 (see ak.scale_by_adam): 1.3e-5 relative for 0.999
+    assert rel_err(moments.nu_max["emb"], ref["emb"][3], np.max(ref["emb"][3])) < 2e-5
+    if kw.get("lazy", True):
+      untouched = np.setdiff1d(np.arange(n), sorted(touched))
+      assert np.all(np.asarray(moments.nu_max["emb"])[untouched] == 0)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), amsgrad=st.booleans(), bias_correction=st.booleans())
+def test_lazy_adamw_touching_every_row_equals_adamw(seed, amsgrad, bias_correction, backend):
+  """Lazy AdamW whose batches touch every row (shuffled, some ids split into two
+  occurrences) is ak.adamw on the densified gradient: each row decays once per step."""
+  rng = np.random.default_rng(seed)
+  w0 = {"e": jnp.asarray(rng.normal(size=(N, D)), jnp.float32)}
+  kw = dict(weight_decay=0.1, weight_decay_mask=None, amsgrad=amsgrad, b2=0.9,
+            bias_correction=bias_correction, eps_mode="corrected" if bias_correction else "hat")
+  sparse, dense = [], []
+  for _ in range(3):
+    g = rng.normal(size=(N, D)).astype(np.float32)
+    perm = rng.permutation(N)
+    ids = np.concatenate([perm, perm[:2]])  # rows perm[:2] arrive as two halves
+    vals = np.concatenate([g[perm], np.zeros((2, D), np.float32)])
+    vals[:2] *= 0.5
+    vals[N:] = g[perm[:2]] * 0.5
+    sparse.append({"e": ak.RowSparse(ids, vals, N)})
+    dense.append({"e": jnp.asarray(g)})
+  ps, _ = _run(ak.sparse_adamw(0.1, backend=backend, **kw), w0, sparse, backend)
+  pd, _ = _run(ak.adamw(0.1, **kw), w0, dense)
+  np.testing.assert_allclose(np.asarray(ps["e"]), np.asarray(pd["e"]), rtol=0, atol=2e-6)
+  assert float(jnp.max(jnp.abs(ps["e"] - w0["e"]))) > 0.1
+
+
+def test_sparse_adamw_options_are_checked():
+  with pytest.raises(TypeError, match="decoupled coefficient"):
+    ak.sparse_adamw(weight_decay=ak.L2Decay(0.1))
+  with pytest.raises(TypeError, match="amsgrad"):
+    ak.sparse_adam(amsgrad="yes")
+  with pytest.raises(ValueError, match="eps_mode"):
+    ak.sparse_adamw(eps_mode="paddle")
+  state = ak.sparse_adam(0.1).init({"e": jnp.zeros((N, D))})  # not an AMSGrad state
+  tx = ak.sparse_adam(0.1, amsgrad=True)
+  with pytest.raises((ValueError, AttributeError, TypeError)):
+    tx.update({"e": ak.RowSparse(np.array([1]), np.ones((1, D), np.float32), N)}, state,
+              {"e": jnp.zeros((N, D))})
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False])
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("fused,named,kw", [
+    ("fused_adam", "sparse_adam", dict(amsgrad=True, weight_decay=0.01, b2=0.9)),
+    ("fused_adamw", "sparse_adamw", dict(weight_decay=0.1)),
+    ("fused_adamw", "sparse_adamw", dict(weight_decay=0.1, amsgrad=True, b2=0.9,
+                                         bias_correction=False, eps_mode="hat")),
+])
+def test_fused_amsgrad_and_adamw_row_sparse_leaves_equal_the_transform(
+    backend, multi_tensor, lazy, fused, named, kw):
+  """ak.fused_adam(amsgrad) / ak.fused_adamw on RowSparse and dense leaves equals
+  ak.sparse_adam(amsgrad) / ak.sparse_adamw + ak.apply_updates; lazy: untouched rows keep
+  their bits (no decay), and only the kernel backend calls the lazy kernel."""
+  rng = np.random.default_rng(23)
+  n, d = 200, 4
+  params = {"emb": jnp.asarray(rng.normal(size=(n, d)), jnp.float32),
+            "gamma": jnp.asarray(rng.normal(size=(n, d)), jnp.float32),  # no decay (name)
+            "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
+  opt = getattr(ak, fused)(0.05, backend=backend, multi_tensor=multi_tensor, lazy=lazy, **kw)
+  tx = getattr(ak, named)(0.05, backend="xla", lazy=lazy, **kw)
+  step = jax.jit(opt.step)
+  fp, fs = params, opt.init(params)
+  rp, rs = params, tx.init(params)
+  touched = set()
+  for _ in range(3):
+    ids = rng.integers(0, n, size=20).astype(np.int32)
+    touched |= set(ids.tolist())
+    grads = {"emb": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
+             "gamma": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
+             "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
+    fp, fs = step(fp, fs, grads)
+    updates, rs = tx.update(grads, rs, rp)
+    rp = ak.apply_updates(rp, updates, backend="xla")
+  tol = dict(rtol=1e-5, atol=1e-6) if "bias_correction" in kw else dict(rtol=1e-6, atol=1e-7)
+  for name in params:
+    np.testing.assert_allclose(np.asarray(fp[name]), np.asarray(rp[name]), err_msg=name, **tol)
+  if lazy:
+    untouched = np.setdiff1d(np.arange(n), sorted(touched))
+    np.testing.assert_array_equal(np.asarray(fp["emb"])[untouched],
+                                  np.asarray(params["emb"])[untouched])
+    if not multi_tensor and kw.get("amsgrad"):
+      np.testing.assert_array_equal(np.asarray(fs.nu_max["emb"])[untouched], 0)
+  text = step.lower(fp, fs, grads).as_text()
+  assert ("adamkit_cpu_sparse_lazy" in text) == (backend == "kernel" and lazy)

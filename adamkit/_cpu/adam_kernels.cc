@@ -2,8 +2,10 @@
 //
 // Dense (AdamkitCpuStep): XLA:CPU emits an Adam step as three loops (m, v, then the
 // parameters), about 40 bytes of memory traffic per float32 parameter. This kernel reads p,
-// g, m, v once and writes p, m, v once (28 bytes), in place (the outputs alias the inputs),
-// split over XLA's intra-op thread pool.
+// g, m, v once and writes p, m, v once (28 bytes; AMSGrad's running maximum adds 8), in
+// place (the outputs alias the inputs), split over XLA's intra-op thread pool. Variants:
+// Adam (two eps placements, Nesterov, AMSGrad, with or without bias correction), AdaMax,
+// and no, L2 or decoupled (AdamW) weight decay.
 // Row-sparse (AdamkitCpuSparseLazy, AdamkitCpuRowAdd): the lazy step on the rows an
 // embedding lookup touched, ids merged in a hash table, each touched row of the table and
 // its moments read and written once, rows prefetched ahead; and the row scatter-add.
@@ -31,20 +33,34 @@ namespace {
 // Adam, eps_mode "hat":        u = c1 * n / (sqrt(v) + eps)          c1 = sqrt(bc2)/bc1
 // Adam, eps_mode "corrected":  u = (n * c1) / (sqrt(v * c2) + eps)   c1 = 1/bc1, c2 = 1/bc2
 // AdaMax:                      u = m / (bc1 * (v + eps))             c1 = bc1
+// No bias correction (AdamW of MindSpore) is bc1 = bc2 = 1, chosen by the caller.
 enum Kind : int64_t { kAdamHat = 0, kAdamCorrected = 1, kAdamax = 2 };
+// Weight decay of a leaf: none, L2 in the gradient (g + wd * p, before the moments) or
+// decoupled (AdamW: u + wd * p, after the direction, before the learning rate).
+enum Decay : int64_t { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
+
+// The number of state buffers: first and second moment, and AMSGrad's running maximum of
+// the raw second moment. The Python caller (adamkit/_cpu/ffi.py) passes the same count as
+// the `state` attribute, and the handlers check it.
+constexpr int64_t StateBuffers(bool amsgrad) { return amsgrad ? 3 : 2; }
+constexpr int64_t kMaxStateBuffers = 3;
 
 // store_u: p is an output that receives the direction u (no learning rate, no decay),
 // for the sparse kernel's updates; otherwise p is the parameter, updated in place.
-template <int64_t kind, bool nesterov, bool decay, bool store_u = false>
+// vmax: AMSGrad's running maximum (read and written only when amsgrad).
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
 inline __attribute__((always_inline)) void ChunkBody(float* __restrict p, float* __restrict m,
                                                      float* __restrict v,
+                                                     float* __restrict vmax,
                                                      const float* __restrict g, const float* s,
                                                      int64_t lo, int64_t hi) {
+  static_assert(!(store_u && decay != kNoDecay), "the direction output takes no decay");
+  static_assert(!(amsgrad && kind == kAdamax), "AdaMax has no AMSGrad form");
   const float b1 = s[0], omb1 = s[1], b2 = s[2], omb2 = s[3], eps = s[4], lr = s[5],
               wd = s[6], c1 = s[7], c2 = s[8];
   for (int64_t i = lo; i < hi; ++i) {
     float gi = g[i];
-    if (decay) gi = gi + wd * p[i];
+    if (decay == kL2) gi = gi + wd * p[i];
     float mi = b1 * m[i] + omb1 * gi;
     float vi;
     float u;
@@ -53,11 +69,18 @@ inline __attribute__((always_inline)) void ChunkBody(float* __restrict p, float*
       u = mi / (c1 * (vi + eps));
     } else {
       vi = b2 * v[i] + omb2 * (gi * gi);
+      float den = vi;
+      if (amsgrad) {
+        // max(vmax, v) with NaN propagated from either side, as jnp.maximum.
+        const float old = vmax[i];
+        den = (vi != vi || vi > old) ? vi : old;
+        vmax[i] = den;
+      }
       float n = nesterov ? b1 * mi + omb1 * gi : mi;
       if (kind == kAdamHat) {
-        u = c1 * n / (std::sqrt(vi) + eps);
+        u = c1 * n / (std::sqrt(den) + eps);
       } else {
-        u = (n * c1) / (std::sqrt(vi * c2) + eps);
+        u = (n * c1) / (std::sqrt(den * c2) + eps);
       }
     }
     m[i] = mi;
@@ -65,6 +88,7 @@ inline __attribute__((always_inline)) void ChunkBody(float* __restrict p, float*
     if (store_u) {
       p[i] = u;
     } else {
+      if (decay == kDecoupled) u = u + wd * p[i];
       p[i] = p[i] + (-lr * u);
     }
   }
@@ -73,18 +97,19 @@ inline __attribute__((always_inline)) void ChunkBody(float* __restrict p, float*
 // The loop compiled twice: for the architecture's baseline and, on x86-64, for AVX2
 // (chosen at run time). Same operations, same rounding (no FMA): only the vector width
 // differs, which matters once the memory is fast enough to make sqrt and division count.
-template <int64_t kind, bool nesterov, bool decay, bool store_u>
-void Chunk(float* p, float* m, float* v, const float* g, const float* s, int64_t lo,
-           int64_t hi) {
-  ChunkBody<kind, nesterov, decay, store_u>(p, m, v, g, s, lo, hi);
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
+void Chunk(float* p, float* m, float* v, float* vmax, const float* g, const float* s,
+           int64_t lo, int64_t hi) {
+  ChunkBody<kind, nesterov, decay, amsgrad, store_u>(p, m, v, vmax, g, s, lo, hi);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ADAMKIT_AVX2 1
-template <int64_t kind, bool nesterov, bool decay, bool store_u>
-__attribute__((target("avx2"))) void ChunkAvx2(float* p, float* m, float* v, const float* g,
-                                               const float* s, int64_t lo, int64_t hi) {
-  ChunkBody<kind, nesterov, decay, store_u>(p, m, v, g, s, lo, hi);
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
+__attribute__((target("avx2"))) void ChunkAvx2(float* p, float* m, float* v, float* vmax,
+                                               const float* g, const float* s, int64_t lo,
+                                               int64_t hi) {
+  ChunkBody<kind, nesterov, decay, amsgrad, store_u>(p, m, v, vmax, g, s, lo, hi);
 }
 
 bool HasAvx2() {
@@ -96,31 +121,60 @@ bool HasAvx2() {
 }
 #endif
 
-using ChunkFn = void (*)(float*, float*, float*, const float*, const float*, int64_t, int64_t);
+using ChunkFn = void (*)(float*, float*, float*, float*, const float*, const float*, int64_t,
+                         int64_t);
 
-template <int64_t kind, bool store_u>
-ChunkFn PickStore(bool nesterov, bool decay) {
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
+ChunkFn Instance() {
 #ifdef ADAMKIT_AVX2
-  if (HasAvx2()) {
-    if (nesterov) {
-      return decay ? ChunkAvx2<kind, true, true, store_u> : ChunkAvx2<kind, true, false, store_u>;
-    }
-    return decay ? ChunkAvx2<kind, false, true, store_u> : ChunkAvx2<kind, false, false, store_u>;
-  }
+  if (HasAvx2()) return ChunkAvx2<kind, nesterov, decay, amsgrad, store_u>;
 #endif
-  if (nesterov) return decay ? Chunk<kind, true, true, store_u> : Chunk<kind, true, false, store_u>;
-  return decay ? Chunk<kind, false, true, store_u> : Chunk<kind, false, false, store_u>;
+  return Chunk<kind, nesterov, decay, amsgrad, store_u>;
 }
 
-ChunkFn Pick(int64_t kind, bool nesterov, bool decay, bool store_u = false) {
-  if (store_u) {
-    return kind == kAdamHat ? PickStore<kAdamHat, true>(nesterov, false)
-         : kind == kAdamCorrected ? PickStore<kAdamCorrected, true>(nesterov, false)
-                                  : PickStore<kAdamax, true>(nesterov, false);
+// The variant's loop, instantiated only for the combinations that exist (the handlers
+// refuse the others first): store_u without decay, AMSGrad and Nesterov for Adam only.
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad>
+ChunkFn PickStore(bool store_u) {
+  if constexpr (decay == kNoDecay) {
+    if (store_u) return Instance<kind, nesterov, decay, amsgrad, true>();
   }
-  return kind == kAdamHat ? PickStore<kAdamHat, false>(nesterov, decay)
-       : kind == kAdamCorrected ? PickStore<kAdamCorrected, false>(nesterov, decay)
-                                : PickStore<kAdamax, false>(nesterov, decay);
+  return Instance<kind, nesterov, decay, amsgrad, false>();
+}
+
+template <int64_t kind, bool nesterov, int64_t decay>
+ChunkFn PickAmsgrad(bool amsgrad, bool store_u) {
+  if constexpr (kind != kAdamax) {
+    if (amsgrad) return PickStore<kind, nesterov, decay, true>(store_u);
+  }
+  return PickStore<kind, nesterov, decay, false>(store_u);
+}
+
+template <int64_t kind, bool nesterov>
+ChunkFn PickDecay(int64_t decay, bool amsgrad, bool store_u) {
+  if (decay == kL2) return PickAmsgrad<kind, nesterov, kL2>(amsgrad, store_u);
+  if (decay == kDecoupled) return PickAmsgrad<kind, nesterov, kDecoupled>(amsgrad, store_u);
+  return PickAmsgrad<kind, nesterov, kNoDecay>(amsgrad, store_u);
+}
+
+template <int64_t kind>
+ChunkFn PickNesterov(bool nesterov, int64_t decay, bool amsgrad, bool store_u) {
+  if constexpr (kind != kAdamax) {
+    if (nesterov) return PickDecay<kind, true>(decay, amsgrad, store_u);
+  }
+  return PickDecay<kind, false>(decay, amsgrad, store_u);
+}
+
+ChunkFn Pick(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u = false) {
+  return kind == kAdamHat ? PickNesterov<kAdamHat>(nesterov, decay, amsgrad, store_u)
+       : kind == kAdamCorrected ? PickNesterov<kAdamCorrected>(nesterov, decay, amsgrad, store_u)
+                                : PickNesterov<kAdamax>(nesterov, decay, amsgrad, store_u);
+}
+
+// The variant attributes every handler checks before touching a buffer.
+bool ValidVariant(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t state) {
+  return kind >= kAdamHat && kind <= kAdamax && decay >= kNoDecay && decay <= kDecoupled &&
+         !((amsgrad || nesterov) && kind == kAdamax) && state == StateBuffers(amsgrad);
 }
 
 int64_t Threads(ffi::ThreadPool& pool) { return std::max<int64_t>(pool.num_threads(), 1); }
@@ -167,6 +221,7 @@ struct Leaf {
   float* p;
   float* m;
   float* v;
+  float* vmax;  // nullptr without AMSGrad
   const float* g;
   int64_t n;
 };
@@ -177,41 +232,39 @@ void RunRange(ChunkFn fn, const std::vector<Leaf>& leaves, const float* s, int64
   int64_t base = 0;
   for (const Leaf& l : leaves) {
     int64_t a = std::max(lo, base), b = std::min(hi, base + l.n);
-    if (a < b) fn(l.p, l.m, l.v, l.g, s, a - base, b - base);
+    if (a < b) fn(l.p, l.m, l.v, l.vmax, l.g, s, a - base, b - base);
     base += l.n;
     if (base >= hi) break;
   }
 }
 
-// The number of state buffers of the dense step (first and second moment). A variant with
-// more state (AMSGrad's running maximum) raises it together with the Python caller
-// (adamkit/_cpu/ffi.py), which passes the same count as the `state` attribute.
-constexpr int64_t kStateBuffers = 2;
-
 // Arguments: scalars (f32[9]), then L params and L gradients (float32, any shape), then
-// the first and second moments, each one flat float32 buffer in which the L leaves lie
-// back to back from element `offset` (multi-tensor mode; one leaf: its own moments, offset
-// 0). Results: the L params and the two moment buffers, aliased to the inputs when the
-// caller donates them (otherwise fresh buffers, filled from the inputs first).
+// the `state` buffers (first moment, second moment and, with AMSGrad, the running maximum
+// of the second moment), each one flat float32 buffer in which the L leaves lie back to
+// back from element `offset` (multi-tensor mode; one leaf: its own moments, offset 0).
+// Results: the L params and the state buffers, aliased to the inputs when the caller
+// donates them (otherwise fresh buffers, filled from the inputs first).
 // Every buffer is checked against its own size: nothing is read or written outside it.
 ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::RemainingArgs args,
-                ffi::RemainingRets rets, int64_t kind, bool nesterov, bool decay,
-                int64_t offset, int64_t state) {
+                ffi::RemainingRets rets, int64_t kind, bool nesterov, int64_t decay,
+                bool amsgrad, int64_t offset, int64_t state) {
   if (scalars.element_count() != 9) {
     return ffi::Error::InvalidArgument("adamkit cpu step: expected 9 scalars");
   }
-  if (state != kStateBuffers || kind < kAdamHat || kind > kAdamax) {
+  if (!ValidVariant(kind, nesterov, decay, amsgrad, state)) {
     return ffi::Error::InvalidArgument("adamkit cpu step: unknown variant or state count");
   }
-  if (args.size() < 2 + kStateBuffers || (args.size() - kStateBuffers) % 2 != 0 ||
-      rets.size() != (args.size() - kStateBuffers) / 2 + kStateBuffers) {
-    return ffi::Error::InvalidArgument("adamkit cpu step: expected 2L+2 arguments, L+2 results");
+  const size_t nstate = static_cast<size_t>(state);
+  if (args.size() < 2 + nstate || (args.size() - nstate) % 2 != 0 ||
+      rets.size() != (args.size() - nstate) / 2 + nstate) {
+    return ffi::Error::InvalidArgument(
+        "adamkit cpu step: expected 2L+S arguments, L+S results (S state buffers)");
   }
   if (offset < 0) return ffi::Error::InvalidArgument("adamkit cpu step: negative offset");
-  const size_t num = (args.size() - kStateBuffers) / 2;
-  float* moments[kStateBuffers];
-  int64_t moment_size[kStateBuffers];
-  for (size_t k = 0; k < kStateBuffers; ++k) {
+  const size_t num = (args.size() - nstate) / 2;
+  float* moments[kMaxStateBuffers] = {nullptr, nullptr, nullptr};
+  int64_t moment_size[kMaxStateBuffers] = {0, 0, 0};
+  for (size_t k = 0; k < nstate; ++k) {
     auto in = args.get<ffi::Buffer<ffi::F32>>(2 * num + k);
     auto out = rets.get<ffi::Buffer<ffi::F32>>(num + k);
     if (in.has_error()) return in.error();
@@ -237,7 +290,7 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
         static_cast<int64_t>((*p_out)->element_count()) != n) {
       return ffi::Error::InvalidArgument("adamkit cpu step: a gradient differs from its param");
     }
-    for (size_t k = 0; k < kStateBuffers; ++k) {
+    for (size_t k = 0; k < nstate; ++k) {
       if (offset + total + n > moment_size[k]) {
         return ffi::Error::InvalidArgument(
             "adamkit cpu step: a moment buffer is smaller than its params");
@@ -245,11 +298,12 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
     }
     float* po = (*p_out)->typed_data();
     if (po != p->typed_data()) std::copy_n(p->typed_data(), n, po);
-    leaves[i] = Leaf{po, moments[0] + offset + total, moments[1] + offset + total,
+    const int64_t at = offset + total;
+    leaves[i] = Leaf{po, moments[0] + at, moments[1] + at, amsgrad ? moments[2] + at : nullptr,
                      g->typed_data(), n};
     total += n;
   }
-  ChunkFn fn = Pick(kind, nesterov, decay);
+  ChunkFn fn = Pick(kind, nesterov, decay, amsgrad);
   const float* s = scalars.typed_data();
 
   // Small steps run on the calling thread: scheduling costs more than it saves.
@@ -267,29 +321,37 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
 }
 
 // The lazy sparse step (MindSpore FusedSparseLazyAdam): Adam on the distinct rows named by
-// `ids` only, each row's table, m and v read and written once, in place.
+// `ids` only, each row's table and state read and written once, in place.
 //
 // Arguments: scalars (f32[9], as above; lr and wd unused when apply is false), ids (s32[k]),
-// gradient rows (f32[k, *row]), m, v (the table's moments: `num_rows` rows from element
-// `offset` of each buffer, which may hold other leaves too) and, when `apply`, the table
-// (f32[num_rows, *row]). Results: m, v, then the table (apply) or, without apply, the
-// distinct ids (s32[k]: first-occurrence order, then num_rows in unused slots) and their
-// directions u (f32[k, *row], zeros in unused slots). Ids outside [0, num_rows) are skipped
-// (MindSpore drops them). With `merge`, duplicate ids are summed in the order they occur (as
-// a scatter-add does) into one row; without it each occurrence is its own row (the caller
-// promised unique ids).
+// gradient rows (f32[k, *row]), the `state` buffers m, v and, with AMSGrad, vmax (the
+// table's state: `num_rows` rows from element `offset` of each buffer, which may hold
+// other leaves too) and, when `apply`, the table (f32[num_rows, *row]). Results: the state
+// buffers, then the table (apply) or, without apply, the distinct ids (s32[k]:
+// first-occurrence order, then num_rows in unused slots) and their directions u
+// (f32[k, *row], zeros in unused slots). Ids outside [0, num_rows) are skipped (MindSpore
+// drops them). With `merge`, duplicate ids are summed in the order they occur (as a
+// scatter-add does) into one row; without it each occurrence is its own row (the caller
+// promised unique ids). `decay` (apply only): kDecoupled adds wd * w to each touched row's
+// direction once (lazy AdamW); an L2 decay of sparse rows is the caller's, per occurrence.
 ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
                       ffi::BufferR1<ffi::S32> ids, ffi::Buffer<ffi::F32> grad,
                       ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t kind,
-                      bool nesterov, bool apply, bool merge, int64_t offset, int64_t rows) {
+                      bool nesterov, int64_t decay, bool amsgrad, int64_t state, bool apply,
+                      bool merge, int64_t offset, int64_t rows) {
   if (scalars.element_count() != 9) {
     return ffi::Error::InvalidArgument("adamkit sparse step: expected 9 scalars");
   }
-  if (args.size() != (apply ? 3u : 2u) || rets.size() != (apply ? 3u : 4u)) {
+  if (!ValidVariant(kind, nesterov, decay, amsgrad, state) || decay == kL2 ||
+      (decay == kDecoupled && !apply)) {
+    return ffi::Error::InvalidArgument("adamkit sparse step: unknown variant or state count");
+  }
+  const size_t nstate = static_cast<size_t>(state);
+  if (args.size() != nstate + (apply ? 1u : 0u) || rets.size() != nstate + (apply ? 1u : 2u)) {
     return ffi::Error::InvalidArgument("adamkit sparse step: wrong number of operands");
   }
-  if (kind < kAdamHat || kind > kAdamax || rows < 0 || rows > INT32_MAX || offset < 0) {
-    return ffi::Error::InvalidArgument("adamkit sparse step: bad variant, row count or offset");
+  if (rows < 0 || rows > INT32_MAX || offset < 0) {
+    return ffi::Error::InvalidArgument("adamkit sparse step: bad row count or offset");
   }
   // Sizes from each buffer's own dimensions: k from the ids, the row width from the
   // gradient rows' shape (not from a division, which a short gradient would fool).
@@ -303,19 +365,21 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
   if (width * k != static_cast<int64_t>(grad.element_count())) {
     return ffi::Error::InvalidArgument("adamkit sparse step: gradient rows do not match ids");
   }
-  float* bufs[3] = {nullptr, nullptr, nullptr};  // m, v, the table
+  float* bufs[kMaxStateBuffers + 1] = {nullptr, nullptr, nullptr, nullptr};  // state, table
   for (size_t j = 0; j < args.size(); ++j) {
     auto in = args.get<ffi::Buffer<ffi::F32>>(j);
     auto out = rets.get<ffi::Buffer<ffi::F32>>(j);
     if (in.has_error()) return in.error();
     if (out.has_error()) return out.error();
     const int64_t n = static_cast<int64_t>(in->element_count());
-    const bool ok = j < 2 ? offset + rows * width <= n : n == rows * width;
+    const bool ok = j < nstate ? offset + rows * width <= n : n == rows * width;
     if (!ok || static_cast<int64_t>((*out)->element_count()) != n) {
       return ffi::Error::InvalidArgument(
           j == 0   ? "adamkit sparse step: the first moment is smaller than the table"
           : j == 1 ? "adamkit sparse step: the second moment is smaller than the table"
-                   : "adamkit sparse step: the table is not num_rows rows of the gradient's width");
+          : j < nstate
+              ? "adamkit sparse step: the running maximum is smaller than the table"
+              : "adamkit sparse step: the table is not num_rows rows of the gradient's width");
     }
     bufs[j] = (*out)->typed_data();
     if (bufs[j] != in->typed_data()) std::copy_n(in->typed_data(), n, bufs[j]);
@@ -361,8 +425,8 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
 
   float* u_out = nullptr;
   if (!apply) {
-    auto ids_out = rets.get<ffi::Buffer<ffi::S32>>(2);
-    auto dir = rets.get<ffi::Buffer<ffi::F32>>(3);
+    auto ids_out = rets.get<ffi::Buffer<ffi::S32>>(nstate);
+    auto dir = rets.get<ffi::Buffer<ffi::F32>>(nstate + 1);
     if (ids_out.has_error()) return ids_out.error();
     if (dir.has_error()) return dir.error();
     if (static_cast<int64_t>((*ids_out)->element_count()) != k ||
@@ -376,11 +440,12 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     std::fill(u_out + distinct * width, u_out + k * width, 0.0f);
   }
 
-  ChunkFn fn = Pick(kind, nesterov, /*decay=*/false, /*store_u=*/!apply);
+  ChunkFn fn = Pick(kind, nesterov, decay, amsgrad, /*store_u=*/!apply);
   const float* s = scalars.typed_data();
   float* m = bufs[0] + offset;
   float* v = bufs[1] + offset;
-  float* p = bufs[2];
+  float* vmax = amsgrad ? bufs[2] + offset : nullptr;
+  float* p = bufs[nstate];
   const int64_t lines = std::min<int64_t>((width * 4 + 63) / 64, 16);
   auto body = [&](int64_t lo, int64_t hi) {
     std::vector<float> acc;
@@ -391,6 +456,7 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
         for (int64_t c = 0; c < lines; ++c) {
           __builtin_prefetch(m + at + 16 * c, 1);
           __builtin_prefetch(v + at + 16 * c, 1);
+          if (amsgrad) __builtin_prefetch(vmax + at + 16 * c, 1);
           if (apply) __builtin_prefetch(p + at + 16 * c, 1);
         }
       }
@@ -404,7 +470,8 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
         row = acc.data();
       }
       const int64_t at = static_cast<int64_t>(uid[r]) * width;
-      fn(apply ? p + at : u_out + r * width, m + at, v + at, row, s, 0, width);
+      fn(apply ? p + at : u_out + r * width, m + at, v + at, amsgrad ? vmax + at : nullptr, row,
+         s, 0, width);
     }
   };
   // Split over the pool only when there is enough work (about 64k floats per chunk).
@@ -471,7 +538,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStep, Step,
                                   .RemainingRets()
                                   .Attr<int64_t>("kind")
                                   .Attr<bool>("nesterov")
-                                  .Attr<bool>("decay")
+                                  .Attr<int64_t>("decay")
+                                  .Attr<bool>("amsgrad")
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("state"));
 
@@ -485,6 +553,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuSparseLazy, SparseLazy,
                                   .RemainingRets()
                                   .Attr<int64_t>("kind")
                                   .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("decay")
+                                  .Attr<bool>("amsgrad")
+                                  .Attr<int64_t>("state")
                                   .Attr<bool>("apply")
                                   .Attr<bool>("merge")
                                   .Attr<int64_t>("offset")

@@ -6,10 +6,10 @@ receives (an ``InvalidArgument`` error, never a read or write outside a buffer).
 never taken from one buffer and applied to another.
 
 A kernel variant is a :class:`Variant` (static: it becomes the call's attributes) plus the
-nine float32 :func:`scalars`; the optimizer state is a tuple of buffers (``STATE_BUFFERS``
-of them: first and second moment). A new variant (AdamW's decoupled decay, AMSGrad's
-running maximum) adds a field to :class:`Variant` and, for AMSGrad, one state buffer on
-both sides of the call.
+nine float32 :func:`scalars`; the optimizer state is a tuple of buffers
+(:func:`state_buffers` of them: first and second moment, and AMSGrad's running maximum of
+the second moment). Bias correction off (MindSpore ``AdamWeightDecay``) is ``bc1 = bc2 =
+1`` in the scalars, not a variant.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 KINDS = {"hat": 0, "corrected": 1, "adamax": 2}  # the `Kind` enum of adam_kernels.cc
-STATE_BUFFERS = 2  # kStateBuffers of adam_kernels.cc: first and second moment
+NO_DECAY, L2, DECOUPLED = 0, 1, 2  # the `Decay` enum of adam_kernels.cc
+STATE_NAMES = ("first moment", "second moment", "running maximum")  # the state buffers
 ID_DTYPE = jnp.int32  # the kernels' row ids (and their padding id, ``num_rows``)
 
 
@@ -30,6 +31,20 @@ class Variant(NamedTuple):
   """The update rule a kernel call runs (static)."""
   kind: str  # "hat" / "corrected" (Adam's two eps placements) or "adamax"
   nesterov: bool = False
+  amsgrad: bool = False  # a third state buffer, max(vmax, v), replaces v in the denominator
+  decoupled: bool = False  # a decaying leaf adds wd * w to its direction (AdamW), not to g
+
+
+def state_buffers(variant: Variant) -> int:
+  """The number of state buffers of ``variant`` (``StateBuffers`` of adam_kernels.cc)."""
+  return 3 if variant.amsgrad else 2
+
+
+def _attrs(variant: Variant, decay: bool, state) -> dict:
+  """The attributes every handler checks: the variant and the number of state buffers."""
+  mode = (DECOUPLED if variant.decoupled else L2) if decay else NO_DECAY
+  return dict(kind=np.int64(KINDS[variant.kind]), nesterov=bool(variant.nesterov),
+              decay=np.int64(mode), amsgrad=bool(variant.amsgrad), state=np.int64(len(state)))
 
 
 def scalars(kind: str, *, b1, b2, eps, lr, wd, bc1, bc2) -> jax.Array:
@@ -60,10 +75,11 @@ def _f32(name: str, x) -> None:
   _need(x.dtype == jnp.float32, f"{name} must be float32, got {x.dtype}")
 
 
-def _check_state(state, size: int, offset: int) -> None:
-  _need(len(state) == STATE_BUFFERS, f"expected {STATE_BUFFERS} state buffers, got {len(state)}")
+def _check_state(variant: Variant, state, size: int, offset: int) -> None:
+  n = state_buffers(variant)
+  _need(len(state) == n, f"expected {n} state buffers, got {len(state)}")
   _need(offset >= 0, f"negative offset {offset}")
-  for name, buf in zip(("first moment", "second moment"), state):
+  for name, buf in zip(STATE_NAMES, state):
     _f32(name, buf)
     _need(offset + size <= buf.size, f"the {name} ({buf.size} elements) is smaller than the "
           f"{size} elements it must hold from offset {offset}")
@@ -81,15 +97,13 @@ def dense_step(variant: Variant, s: jax.Array, params: Sequence[jax.Array],
     _f32("a param", p)
     _f32("a gradient", g)
     _need(p.shape == g.shape, f"gradient of shape {g.shape} for a param of shape {p.shape}")
-  _check_state(state, sum(p.size for p in params), offset)
+  _check_state(variant, state, sum(p.size for p in params), offset)
   outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*params, *state)]
   aliases = {1 + i: i for i in range(n)}  # operand 0 is the scalars, then params, grads
   aliases.update({1 + 2 * n + j: n + j for j in range(len(state))})
   call = jax.ffi.ffi_call("adamkit_cpu_step", outs, input_output_aliases=aliases,
                           vmap_method="sequential")
-  out = call(s, *params, *grads, *state, kind=np.int64(KINDS[variant.kind]),
-             nesterov=bool(variant.nesterov), decay=bool(decay), offset=np.int64(offset),
-             state=np.int64(len(state)))
+  out = call(s, *params, *grads, *state, offset=np.int64(offset), **_attrs(variant, decay, state))
   return list(out[:n]), tuple(out[n:])
 
 
@@ -114,7 +128,8 @@ def _check_rows(ids, rows, num_rows: int, row_shape) -> int:
 
 def sparse_lazy(variant: Variant, s: jax.Array, ids: jax.Array, rows: jax.Array,
                 state: tuple[jax.Array, ...], table: jax.Array | None = None, *,
-                row_shape, num_rows: int, offset: int = 0, merge: bool = True):
+                row_shape, num_rows: int, offset: int = 0, merge: bool = True,
+                decay: bool = False):
   """One call of the lazy row step on the rows ``ids`` of a ``num_rows``-row table of
   rows ``row_shape``, whose state lies in the buffers of ``state`` from element ``offset``.
 
@@ -124,7 +139,7 @@ def sparse_lazy(variant: Variant, s: jax.Array, ids: jax.Array, rows: jax.Array,
   """
   ids = kernel_ids(ids)
   width = _check_rows(ids, rows, num_rows, row_shape)
-  _check_state(state, num_rows * width, offset)
+  _check_state(variant, state, num_rows * width, offset)
   k = ids.shape[0]
   outs = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in state]
   operands = [s, ids, rows, *state]
@@ -140,9 +155,8 @@ def sparse_lazy(variant: Variant, s: jax.Array, ids: jax.Array, rows: jax.Array,
     outs += [jax.ShapeDtypeStruct((k,), ID_DTYPE), jax.ShapeDtypeStruct(rows.shape, rows.dtype)]
   call = jax.ffi.ffi_call("adamkit_cpu_sparse_lazy", outs, input_output_aliases=aliases,
                           vmap_method="sequential")
-  out = call(*operands, kind=np.int64(KINDS[variant.kind]), nesterov=bool(variant.nesterov),
-             apply=table is not None, merge=bool(merge), offset=np.int64(offset),
-             num_rows=np.int64(num_rows))
+  out = call(*operands, apply=table is not None, merge=bool(merge), offset=np.int64(offset),
+             num_rows=np.int64(num_rows), **_attrs(variant, decay, state))
   new_state = tuple(out[:len(state)])
   if table is not None:
     return out[len(state)], new_state
