@@ -400,7 +400,8 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
   """
   _adam.check_adam_hyper(b1, b2, eps, mu_dtype)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
-  for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("unique_ids", unique_ids)):
+  for name, flag in (("lazy", lazy), ("nesterov", nesterov), ("amsgrad", amsgrad),
+                     ("unique_ids", unique_ids)):
     _validate.check_bool(name, flag)
   _validate.check_choice("backend", backend, _backend.BACKENDS)
   if isinstance(grad_clip, optax.GradientTransformation):
