@@ -27,7 +27,7 @@ from adamkit._tree import leaf_names, path_name
 
 
 class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
-  """What :func:`multi_steps` returns: an ``optax.GradientTransformationExtraArgs`` with
+  """What :func:`adamkit.multi_steps` returns: an ``optax.GradientTransformationExtraArgs`` with
   ``optax.MultiSteps``'s ``has_updated`` and ``gradient_transformation``."""
 
   __slots__ = ()
@@ -128,7 +128,7 @@ def multi_steps(tx: optax.GradientTransformation,
     accumulator_dtype: the dtype of the accumulated values (float32, as optax).
 
   Returns:
-    A :class:`MultiStepsTransformation` (an ``optax.GradientTransformationExtraArgs`` with
+    An ``optax.GradientTransformationExtraArgs`` (a subclass with
     ``has_updated(state)``) whose state is an ``optax.MultiStepsState``; its ``acc_grads``
     holds a ``RowSparse`` buffer for each table named in ``ids_per_step``.
 

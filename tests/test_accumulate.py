@@ -246,6 +246,21 @@ def test_errors_name_the_way():
     tx.update(g, tx.init(params), params)
 
 
+def test_state_dict_round_trip_names_the_buffer():
+  params = _params()
+  tx = ak.multi_steps(ak.sparse_adam(LR), K, ids_per_step={"emb": 4})
+  _, state = _run(tx, params, [_grads(0)])
+  flat = ak.state_dict(state, params)
+  assert {"state.acc_grads.emb.indices", "state.acc_grads.emb.values", "emb.moment1",
+          "state.mini_step"} <= set(flat)
+  np.testing.assert_array_equal(flat["state.acc_grads.emb.indices"][:4], IDS[0])
+  restored = ak.load_state_dict(flat, tx.init(params))
+  chex.assert_trees_all_equal(restored, state)
+  # resumes: the rest of the gradient step from the restored state == uninterrupted
+  rest = [_grads(s) for s in range(1, K)]
+  chex.assert_trees_all_equal(_run(tx, params, rest, restored)[0], _run(tx, params, rest, state)[0])
+
+
 def test_optax_multisteps_refuses_row_sparse():
   """optax.MultiSteps maps over (updates, zeros_like(params)): JAX refuses the RowSparse
   node against the dense table before any adamkit code runs (documented)."""
