@@ -12,6 +12,8 @@ import numpy as np
 import optax
 import pytest
 from reference import NumpyAdam
+from registry import NAMES, REGISTRY
+from test_suite import assert_trees_close, make_grads, make_params
 
 import adamkit as ak
 
@@ -83,6 +85,7 @@ def test_non_lazy_equals_float64_dense_adam_on_the_dense_mean():
 def test_between_gradient_steps_nothing_moves():
   params = _params()
   tx = ak.multi_steps(ak.sparse_adam(LR), K, ids_per_step={"emb": 4})
+  assert isinstance(tx, optax.GradientTransformationExtraArgs) and tx.gradient_transformation() is tx
   state = tx.init(params)
   for s in range(K - 1):
     u, new_state = jax.jit(tx.update)(_grads(s), state, params)
@@ -129,6 +132,18 @@ def test_dense_leaves_equal_optax_multisteps(schedule, use_grad_mean):
   assert (int(s.mini_step), int(s.gradient_step)) == (int(t.mini_step), int(t.gradient_step))
   chex.assert_trees_all_close(s.acc_grads, t.acc_grads, rtol=1e-6, atol=1e-7)
   assert bool(ours.has_updated(s)) == bool(theirs.has_updated(t))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_registry_optimizer_dense(name):
+  """k = 2 micro-steps == one step on the mean, for every registry optimizer (the
+  offloaded ones included: ak.multi_steps goes outside ak.offload, optax.MultiSteps cannot)."""
+  params = make_params()
+  g0, g1 = make_grads(params, 10), make_grads(params, 11)
+  p, _ = _run(ak.multi_steps(REGISTRY[name](0.01), 2), params, [g0, g1])
+  tx = REGISTRY[name](0.01)
+  u, _ = tx.update(jax.tree.map(lambda a, b: (a + b) / 2, g0, g1), tx.init(params), params)
+  assert_trees_close(p, optax.apply_updates(params, u), rtol=1e-5, atol=1e-6)
 
 
 def test_one_compilation_over_many_micro_steps():
