@@ -10,6 +10,9 @@ return new params)::
 
 from adamkit import masks
 
+# Gradient accumulation, dense and row-sparse.
+from adamkit._accumulate import multi_steps
+
 # Adam and AdaMax: primitives, named optimizers and their chain links.
 from adamkit._adam import ScaleByAdamState, ScaleByAmsgradState, adam, scale_by_adam
 from adamkit._adamax import ScaleByAdamaxState, adamax, scale_by_adamax
@@ -82,7 +85,7 @@ __all__ = [
     # sparse
     "RowSparse", "lookup", "sparse_grad", "value_and_sparse_grad", "GatheredRows",
     "sparse_adam", "scale_by_sparse_adam", "ScaleBySparseAdamState", "apply_updates",
-    "check_row_ids", "fused_sparse_adam", "fused_sparse_lazy_adam",
+    "check_row_ids", "fused_sparse_adam", "fused_sparse_lazy_adam", "multi_steps",
     # offload
     "offload", "adam_offload", "offload_shardings", "offload_state",
     # speed and precision

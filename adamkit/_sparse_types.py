@@ -134,7 +134,7 @@ def scatter_rows(x: jax.Array, ids: jax.Array, rows: jax.Array, *, add: bool = F
   return op(rows.astype(x.dtype), mode="drop", **kw)
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class RowSparse:
   r"""A row-sparse gradient of an ``(num_rows, *row_shape)`` table.
 
@@ -154,6 +154,9 @@ class RowSparse:
     tree cannot be detected: ``jax.tree.map(lambda x: x * 3, g)`` multiplies the ids too,
     and ``jax.tree.map(jnp.add, g1, g2)`` adds them. Change the values with
     :meth:`with_values`, and concatenate two gradients' ids and values to add them.
+    ``optax.MultiSteps`` cannot accumulate a ``RowSparse`` (its accumulator is a dense
+    table; JAX refuses the pair with a pytree structure error): use
+    :func:`adamkit.multi_steps`, which keeps the micro-steps' ids and rows.
 
   Args:
     indices: int32/int64 row ids, shape ``(k,)``.
@@ -190,6 +193,11 @@ class RowSparse:
   # -- pytree protocol: no validation, JAX passes placeholders through here.
   def tree_flatten(self):
     return (self.indices, self.values), self.num_rows
+
+  def tree_flatten_with_keys(self):
+    # named children: a state holding a RowSparse saves 'emb.indices', not 'emb.0'
+    keys = (jax.tree_util.GetAttrKey("indices"), jax.tree_util.GetAttrKey("values"))
+    return tuple(zip(keys, (self.indices, self.values))), self.num_rows
 
   @classmethod
   def tree_unflatten(cls, num_rows, children):

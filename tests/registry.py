@@ -67,6 +67,15 @@ SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_
           "master_weights_sparse_adam", "sparse_adam_amsgrad", "sparse_adamw",
           "sparse_adamw_amsgrad_mindspore")
 
+# Their gradient accumulation: optax.MultiSteps cannot take a RowSparse (its accumulator is
+# zeros_like(params)); ak.multi_steps keeps k * n ids and rows per table instead. The same
+# wrapper for every entry, the offloaded one included (ak.multi_steps goes outside ak.offload).
+SPARSE_MULTISTEPS = {
+    name: (lambda f: lambda lr, k, ids_per_step: ak.multi_steps(
+        f(lr), k, ids_per_step=ids_per_step))(REGISTRY[name])
+    for name in SPARSE
+}
+
 # MultiSteps' lax.cond cannot mix host-resident and device scalars, so an offloaded
 # optimizer is accumulated the other way round: the offload wraps MultiSteps (documented
 # in ak.offload).

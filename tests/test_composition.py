@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from registry import NAMES, REGISTRY, SPARSE
+from registry import NAMES, REGISTRY, SPARSE, SPARSE_MULTISTEPS
 from test_suite import assert_trees_close, make_grads, make_params
 
 import adamkit as ak
@@ -263,7 +263,8 @@ REFUSED = [
     # optax's own lax.select refuses int ids next to float values before adamkit sees them
     ("clip_by_global_norm", lambda tx: optax.chain(optax.clip_by_global_norm(1.0), tx),
      TypeError, "lax.select requires arguments to have the same dtypes"),
-    # optax.MultiSteps accumulates into zeros_like(params): a dense table, not a RowSparse
+    # optax.MultiSteps maps over (updates, zeros_like(params)): JAX refuses the RowSparse
+    # against the dense table before adamkit sees it. ak.multi_steps is the way (below).
     ("MultiSteps", lambda tx: optax.MultiSteps(tx, every_k_schedule=2), ValueError,
      "RowSparse"),
 ]
@@ -279,6 +280,24 @@ def test_id_mapping_transforms_are_refused_at_trace_time(name, idiom, wrap, exc,
   with jax.numpy_dtype_promotion("standard"):
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(".", r"\.")):
       jax.jit(tx.update)(_sparse_grads(0), tx.init(params), params)
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_sparse_multi_steps_is_one_step_on_the_mean(name):
+  """ak.multi_steps over 2 micro-steps == one step on the averaged gradient: the two
+  RowSparse gradients' ids and values concatenated, values halved (row 2 repeats)."""
+  params = _sparse_params()
+  grads = [_sparse_grads(s) for s in range(4)]
+  p, state = _steps(SPARSE_MULTISTEPS[name](LR, 2, {"emb": 3}), params, grads)
+
+  def mean(a, b):
+    emb = ak.RowSparse(jnp.concatenate([a["emb"].indices, b["emb"].indices]),
+                       jnp.concatenate([a["emb"].values, b["emb"].values]) / 2, N)
+    return {"emb": emb, "w": (a["w"] + b["w"]) / 2}
+
+  ref, _ = _steps(REGISTRY[name](LR), params, [mean(*grads[:2]), mean(*grads[2:])])
+  assert_trees_close(p, ref)
+  assert int(state.gradient_step) == 2
 
 
 def test_sparse_adam_offloaded_in_compute_mode_points_to_state_mode():
