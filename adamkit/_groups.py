@@ -173,7 +173,7 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
       if decoupled:
         links.append(decay)
       links.append(lr_link(lr))
-    return optax.chain(*links)
+    return _links.chain_on_step(*links)
 
   if groups is None:
     body = inner(base_lr, decay_value, weight_decay_mask, grad_centralization, dict(hyper))
