@@ -34,7 +34,6 @@ from adamkit._groups import Group
 from adamkit._interop import from_mindspore_state, from_paddle_state
 from adamkit._kernels import build_cpu_kernel, cpu_kernel_available
 from adamkit._links import (
-    AddDecayState,
     ClipGradByGlobalNorm,
     ClipGradByNorm,
     ClipGradByValue,
@@ -73,7 +72,7 @@ __version__ = "0.1.0"
 __all__ = [
     # Adam, AdaMax and the chain links
     "adam", "adamax", "scale_by_adam", "scale_by_adamax", "ScaleByAdamState",
-    "ScaleByAdamaxState", "Group", "masks", "as_schedule", "add_decay", "AddDecayState",
+    "ScaleByAdamaxState", "Group", "masks", "as_schedule", "add_decay",
     "L1Decay", "L2Decay", "ClipGradByGlobalNorm", "ClipGradByNorm", "ClipGradByValue",
     "clip_by_norm", "centralize_gradients", "scale_by_learning_rate",
     "ScaleByLearningRateState", "scale_by_loss_scale",

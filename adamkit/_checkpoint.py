@@ -226,8 +226,8 @@ def get_lr(state: Any):
   if not found:
     raise ValueError("get_lr: this state has no adamkit learning-rate link.")
   if len(found) == 1:
-    return _unwrap(_field(found[0][1], "learning_rate"))
-  return {(_group_of(p) or path_name(p)): _unwrap(_field(n, "learning_rate")) for p, n in found}
+    return _unwrap(_field(found[0][1], "next_lr"))
+  return {(_group_of(p) or path_name(p)): _unwrap(_field(n, "next_lr")) for p, n in found}
 
 
 def set_lr(state: Any, learning_rate: Any) -> Any:

@@ -24,6 +24,7 @@ import optax
 
 from adamkit import _links, _masks, _schedules, _validate
 from adamkit._sparse_types import is_row_sparse
+from adamkit._tree import place_scalars_like
 
 _UNSET = None
 
@@ -172,7 +173,7 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
       if decoupled:
         links.append(decay)
       links.append(lr_link(lr))
-    return optax.chain(*links)
+    return _links.chain_on_step(*links)
 
   if groups is None:
     body = inner(base_lr, decay_value, weight_decay_mask, grad_centralization, dict(hyper))
@@ -222,7 +223,14 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   tx = optax.chain(*links)
   if nonfinite == "skip":
     tx = skip_nonfinite(tx)
-  return tx
+  return _scalars_placed_like_params(tx)
+
+
+def _scalars_placed_like_params(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` whose ``init`` places the state's scalars (counters, learning-rate records) as
+  the jitted step will return them, so committed or sharded params compile the step once
+  (see :func:`adamkit._tree.place_scalars_like`)."""
+  return tx._replace(init=lambda params: place_scalars_like(tx.init(params), params))
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -246,10 +246,9 @@ def _like(value, old):
   arr = np.asarray(value).astype(old.dtype)
   if arr.shape != old.shape:
     raise ValueError(f"shape {arr.shape} does not match the parameter's {old.shape}")
-  # Keep a placement that init chose on purpose (sharded, or host memory); a plain
-  # single-device leaf stays uncommitted so that it can meet sharded params under jit.
-  if isinstance(old, jax.Array) and (len(old.sharding.device_set) > 1 or
-                                     old.sharding.memory_kind not in (None, "device")):
+  # Keep the placement init chose (committed like the params, sharded, host memory): the
+  # jitted step then compiles once; an uncommitted leaf stays uncommitted.
+  if isinstance(old, jax.Array) and old.committed:
     return jax.device_put(arr, old.sharding)
   return jnp.asarray(arr)
 
@@ -308,8 +307,8 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
 
 
 def _refresh_learning_rates(state, params, tx, t):
-  """``ScaleByLearningRateState.learning_rate`` records the rate of the next step, which
-  only the schedule inside ``tx`` knows: take it from one update from step ``t - 1``."""
+  """``ScaleByLearningRateState.next_lr`` records the rate of the next step, which only
+  the schedule inside ``tx`` knows: take it from one update from step ``t - 1``."""
   lr_nodes = []
   _map_states(state, lambda n: lr_nodes.append(n) or n
               if isinstance(n, ScaleByLearningRateState) else n)
@@ -323,5 +322,5 @@ def _refresh_learning_rates(state, params, tx, t):
   _map_states(after, lambda n: fresh.append(n) or n
               if isinstance(n, ScaleByLearningRateState) else n)
   it = iter(fresh)
-  return _map_states(state, lambda n: next(it) if isinstance(n, ScaleByLearningRateState)
-                     else n)
+  return _map_states(state, lambda n: jax.tree.map(_like, next(it), n)
+                     if isinstance(n, ScaleByLearningRateState) else n)

@@ -221,41 +221,34 @@ class L1Decay:
   coeff: Any = 0.0
 
 
-class AddDecayState(NamedTuple):
-  count: jax.Array  # int32 scalar, steps taken; drives a weight-decay schedule
-
-
 def _is_literal(value, number) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and value == number
 
 
 def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
-              kind: str = "l2") -> optax.GradientTransformation:
+              kind: str = "l2") -> optax.GradientTransformationExtraArgs:
   r"""Adds an L2 (:math:`g + \lambda_t w`) or L1 (:math:`g + \lambda_t\,\mathrm{sign}(w)`)
   penalty's gradient to the leaves chosen by ``mask``.
 
   ``weight_decay`` is a number ``>= 0`` or a schedule ``count -> value`` (MindSpore's
   dynamic weight decay). This is coupled L2 decay, as in MindSpore ``nn.Adam`` and Paddle
-  ``Adam(weight_decay=float)``, not AdamW's decoupled decay. The state is
-  :class:`AddDecayState` for a schedule and ``optax.EmptyState`` for a number (the same
-  structure whether the number is a Python float or an injected array); a literal ``0``
-  leaves the gradients untouched and needs no ``params``.
+  ``Adam(weight_decay=float)``, not AdamW's decoupled decay. The state is always
+  ``optax.EmptyState``: a schedule reads the step from ``update(..., count=t)``, which a
+  named optimizer's chain passes down from its direction's ``count`` (one step counter
+  per optimizer). A literal ``0`` leaves the gradients untouched and needs no ``params``.
   """
   _validate.check_choice("kind", kind, ("l2", "l1"))
   scheduled = callable(weight_decay)
   if not scheduled:
     _validate.check_non_negative("weight_decay", weight_decay)
 
-  def init_fn(params):
-    del params
-    return AddDecayState(count=jnp.zeros([], jnp.int32)) if scheduled else optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, *, count=None, **extra):
+    del extra
     if _is_literal(weight_decay, 0):
       return updates, state
     if params is None:
       raise ValueError("Weight decay needs `params`: call `update(grads, state, params)`.")
-    wd = _schedules.scalar_or_schedule(weight_decay, state.count if scheduled else 0)
+    wd = _schedules.scalar_or_schedule(weight_decay, _step("weight_decay", scheduled, count))
     keep = _masks.resolve_mask(mask, params)
 
     def decay(g, w, k):
@@ -269,11 +262,22 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
 
     new = jax.tree.map(decay, updates, params, keep,
                        is_leaf=lambda x: x is None or is_row_sparse(x))
-    if scheduled:
-      state = AddDecayState(count=optax.safe_increment(state.count))
     return new, state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
+
+
+def _step(name: str, scheduled: bool, count):
+  """The step a scheduled link evaluates its schedule at: ``count`` handed down by the
+  optimizer's chain (a constant needs none)."""
+  if count is not None:
+    return count
+  if scheduled:
+    raise ValueError(
+        f"A scheduled `{name}` reads the step from `update(..., count=t)`, which a named "
+        "adamkit optimizer passes down from its direction's count; in a plain optax.chain "
+        "use optax's scheduled transforms (e.g. optax.scale_by_learning_rate).")
+  return 0
 
 
 def add_decoupled_decay(weight_decay: Any = 0.0,
@@ -299,7 +303,7 @@ def add_decoupled_decay(weight_decay: Any = 0.0,
     mask: which leaves decay (any form :func:`adamkit.masks.resolve_mask` takes).
 
   Returns:
-    An ``optax.GradientTransformation`` with state :class:`AddDecayState`; ``update``
+    An ``optax.GradientTransformationExtraArgs`` with an empty state; ``update``
     needs ``params``.
 
   Examples:
@@ -343,37 +347,68 @@ def centralize_gradients() -> optax.GradientTransformation:
 
 
 class ScaleByLearningRateState(NamedTuple):
-  count: jax.Array  # int32 scalar, steps taken
-  learning_rate: jax.Array  # float32 scalar, the rate the *next* step will use
+  # float32 scalar, the rate the *next* step will use. Not named `learning_rate`: inside
+  # inject_hyperparams, tree_get(state, "learning_rate") finds the injected rate alone.
+  next_lr: jax.Array
 
 
 def scale_by_learning_rate(learning_rate: _schedules.ScalarOrSchedule
-                           ) -> optax.GradientTransformation:
+                           ) -> optax.GradientTransformationExtraArgs:
   r"""Multiplies the direction by :math:`-\alpha_t`.
 
   ``learning_rate`` takes every form of :func:`adamkit.as_schedule`. The state records the
-  rate the next step will use, which :func:`adamkit.get_lr` reads (Paddle ``get_lr``).
+  rate the next step will use, which :func:`adamkit.get_lr` reads (Paddle ``get_lr``). The
+  link keeps no counter: a schedule is evaluated at ``update(..., count=t)``, the steps
+  taken before this one, which a named optimizer's chain passes down from its direction's
+  ``count`` (one step counter per optimizer); a constant rate needs no ``count``.
   """
   schedule = _schedules.as_schedule(learning_rate, "learning_rate")
+  scheduled = not isinstance(schedule, _schedules._Constant)  # noqa: SLF001
 
   def init_fn(params):
     del params
-    zero = jnp.zeros([], jnp.int32)
-    return ScaleByLearningRateState(count=zero, learning_rate=_lr_at(schedule, zero))
+    return ScaleByLearningRateState(next_lr=_lr_at(schedule, jnp.zeros([], jnp.int32)))
 
-  def update_fn(updates, state, params=None):
-    del params
-    lr = _lr_at(schedule, state.count)
-    count = optax.safe_increment(state.count)
+  def update_fn(updates, state, params=None, *, count=None, **extra):
+    del params, extra
+    count = jnp.asarray(_step("learning_rate", scheduled, count), jnp.int32)
+    lr = _lr_at(schedule, count)
+
     def scale(u):
       dt = compute_dtype(u)
       return (-lr.astype(dt) * u.astype(dt)).astype(u.dtype)
 
     new = jax.tree.map(lambda u: map_values(scale, u), updates, is_leaf=is_row_sparse)
-    return new, ScaleByLearningRateState(count=count, learning_rate=_lr_at(schedule, count))
+    return new, ScaleByLearningRateState(next_lr=_lr_at(schedule, optax.safe_increment(count)))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _lr_at(schedule, count):
   return jnp.asarray(schedule(count), jnp.float32)
+
+
+def chain_on_step(*links: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``optax.chain(*links)`` (the same state: a tuple of the links' states) in which the
+  links that take a step (:func:`add_decay`, :func:`scale_by_learning_rate`) read it from
+  the one counter of the chain: the ``count`` of its direction (``scale_by_*``), the steps
+  taken before this update.
+  """
+
+  def init_fn(params):
+    return tuple(link.init(params) for link in links)
+
+  def update_fn(updates, state, params=None, **extra):
+    counts = [s.count for s in state if "count" in getattr(s, "_fields", ())]
+    if len(counts) != 1:
+      raise ValueError(f"chain_on_step needs exactly one link with a `count`, got {len(counts)}.")
+    new_state = []
+    for link, s in zip(links, state):
+      if isinstance(link, optax.GradientTransformationExtraArgs):
+        updates, s = link.update(updates, s, params, count=counts[0], **extra)
+      else:
+        updates, s = link.update(updates, s, params)
+      new_state.append(s)
+    return updates, tuple(new_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -41,6 +41,23 @@ _MODES = ("compute", "state")
 _HOST_KINDS = ("pinned_host",)
 
 
+def _is_small(leaf) -> bool:
+  """A 0-d state leaf (step count, learning-rate record): a few bytes that stay in device
+  memory. Offloading is for the moments; a scalar in host memory would meet the device
+  scalars of an enclosing ``lax.cond`` (``optax.MultiSteps``) with another type."""
+  return np.ndim(leaf) == 0
+
+
+def _spaces(state):
+  """Where each leaf of an offloaded state lives between steps: host, scalars device."""
+  return jax.tree.map(lambda x: _compat.DEVICE if _is_small(x) else _compat.HOST, state)
+
+
+def _to_host(state):
+  """``state`` put where an offloaded state lives between steps (see :func:`_spaces`)."""
+  return jax.device_put(state, _spaces(state))
+
+
 # ------------------------------------------------------------------ support checks
 
 
@@ -172,8 +189,10 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
 
   Every state leaf that mirrors a parameter (same shape, and its tree path ends with the
   parameter's path, as ``mu['w']`` ends with ``['w']``) gets that parameter's sharding in
-  ``memory_kind``; every other leaf (step counts, learning rates, factored moments) is
-  replicated over the same devices in ``memory_kind``. Works for single-device and
+  ``memory_kind``; every other leaf (factored moments, ...) is replicated over the same
+  devices in ``memory_kind``, except 0-d leaves (step counts, learning-rate records), which
+  are replicated in device memory: a few bytes, and an enclosing ``optax.MultiSteps``'s
+  ``lax.cond`` needs them where its own scalars live. Works for single-device and
   ``NamedSharding`` (sharded) parameters alike.
 
   Args:
@@ -193,7 +212,7 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
     >>> state = ak.scale_by_adam().init(params)
     >>> sh = ak.offload_shardings(state, params)
     >>> sh.mu["w"].memory_kind, sh.count.memory_kind
-    ('pinned_host', 'pinned_host')
+    ('pinned_host', 'device')
   """
   _validate.check_choice("memory_kind", memory_kind, _HOST_KINDS)
   if shardings is None:
@@ -213,9 +232,12 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
   if not entries:
     raise ValueError("`params` has no leaves: there is nothing to lay the state out by.")
   fallback = _replicated(entries[0][2], memory_kind)
+  scalar = _replicated(entries[0][2], "device")
 
   def place(path, leaf):
     path, shape = tuple(path), np.shape(leaf)
+    if _is_small(leaf):
+      return scalar
     best = None
     for p_path, p_shape, s in entries:
       n = len(p_path)
@@ -246,7 +268,7 @@ def offload_state(state: Any, params: Any, *, shardings: Any = None,
     >>> params = {"w": jnp.ones(3)}
     >>> saved = jax.tree.map(np.asarray, tx.init(params))
     >>> state = ak.offload_state(saved, params)
-    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state)}
+    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim}  # the moments
     {'pinned_host'}
   """
   return jax.device_put(
@@ -355,7 +377,7 @@ def _update_touched_rows(inner, updates, state, params, extra):
 
   new_flat = s_def.flatten_up_to(new_state)
   out_state = s_def.unflatten([
-      jax.device_put(new, _compat.HOST) if t is None
+      _to_host(new) if t is None
       else _host_scatter(old, host_ids[t], new)
       for (_, old), new, t in zip(s_flat, new_flat, owners)])
   return out_u, out_state
@@ -371,7 +393,7 @@ def _host_init(init, mode: str, memory_kind: str):
     check_support(mode, memory_kind, devices)
     state = init(params)
     if devices is None:  # traced init: keep the layout the compiler picks, in host memory
-      return jax.device_put(state, _compat.HOST)
+      return _to_host(state)
     return offload_state(state, params, memory_kind=memory_kind)
 
   return init_fn
@@ -401,12 +423,13 @@ def _offload_fused(opt: FusedStep, mode: str, memory_kind: str) -> FusedStep:
   def step_fn(params, state, grads):
     if mode == "state":
       params, state = opt.step(params, jax.device_put(state, _compat.DEVICE), grads)
-      return params, jax.device_put(state, _compat.HOST)
+      return params, _to_host(state)
     # The fused step reads and writes the params: they go down with the grads, and the new
     # params (not an update) come up.
+    spaces = _spaces(state)
     params, state, grads = jax.device_put((params, state, grads), _compat.HOST)
     with _explain_host_tracing():
-      return _compat.on_host(opt.step, (_compat.DEVICE, _compat.HOST))(params, state, grads)
+      return _compat.on_host(opt.step, (_compat.DEVICE, spaces))(params, state, grads)
 
   return FusedStep(_host_init(opt.init, mode, memory_kind), step_fn)
 
@@ -510,7 +533,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "comput
     >>> params, state = step(params, state)
     >>> params["w"].round(4), params["w"].sharding.memory_kind
     (Array([ 0.9, -1.9], dtype=float32), 'device')
-    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state)}
+    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim}  # the moments
     {'pinned_host'}
 
     The fused step, offloaded (jit it with ``donate_argnums=(0, 1)``):
@@ -521,7 +544,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "comput
     >>> params, state = step(params, opt.init(params), {"w": jnp.array([2.0, -4.0])})
     >>> params["w"].round(4), params["w"].sharding.memory_kind
     (Array([ 0.9, -1.9], dtype=float32), 'device')
-    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state)}
+    >>> {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim}  # the moments
     {'pinned_host'}
 
   References:
@@ -545,15 +568,16 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "comput
         return out
     state = jax.device_put(state, _compat.DEVICE)
     updates, state = inner.update(updates, state, params, **extra)
-    return updates, jax.device_put(state, _compat.HOST)
+    return updates, _to_host(state)
 
   def update_compute_mode(updates, state, params, extra):
     def host_update(updates, state, params, extra):
       return inner.update(updates, state, params, **extra)
 
+    spaces = _spaces(state)
     updates, state, params, extra = jax.device_put((updates, state, params, extra),
                                                    _compat.HOST)
-    fn = _compat.on_host(host_update, (_compat.DEVICE, _compat.HOST))
+    fn = _compat.on_host(host_update, (_compat.DEVICE, spaces))
     with _explain_host_tracing():
       if params is not None and not _reads_params(host_update, updates, state, params, extra):
         params = None  # keep the 4 bytes per parameter of an unused copy off the link

@@ -60,3 +60,32 @@ def zero_moments(params, mu_dtype=None, nu_dtype=None):
   mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params)
   nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=nu_dtype), params)
   return mu, nu
+
+
+def place_scalars_like(state: Any, params: Any) -> Any:
+  """``state`` with its uncommitted 0-d leaves (step counts, learning-rate records) placed
+  as a 0-d result of a step over ``params`` would be: on the committed params' device, or
+  replicated over their mesh.
+
+  ``jax.jit`` keys its cache on each argument's placement and commitment, and a jitted
+  step returns committed arrays when committed params went in; a counter created
+  uncommitted by ``jnp.zeros`` would make the second step compile again. Uncommitted or
+  abstract params (and tracers, inside ``jit``) leave ``state`` as it is.
+  """
+  placed = [x for x in jax.tree.leaves(params)
+            if isinstance(x, jax.Array) and not is_tracer(x) and x.committed]
+  if not placed:
+    return state
+  sharding = placed[0].sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(),
+                                          memory_kind=sharding.memory_kind)
+  elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return state
+
+  def place(x):
+    if isinstance(x, jax.Array) and not is_tracer(x) and x.ndim == 0 and not x.committed:
+      return jax.device_put(x, sharding)
+    return x
+
+  return jax.tree.map(place, state)

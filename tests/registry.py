@@ -10,8 +10,6 @@ The fused steps (``ak.fused_adam``, ``ak.fused_adamax``) join once they are
 ``GradientTransformation``s (issue 11, item 4).
 """
 
-import optax
-
 import adamkit as ak
 
 # name -> factory(learning_rate) of every optimizer the shared properties must hold for.
@@ -76,15 +74,13 @@ SPARSE_MULTISTEPS = {
     for name in SPARSE
 }
 
-# MultiSteps' lax.cond cannot mix host-resident and device scalars, so an offloaded
-# optimizer is accumulated the other way round: the offload wraps MultiSteps (documented
-# in ak.offload).
-MULTISTEPS = {
-    name: (lambda f: lambda lr: ak.offload(
-        optax.MultiSteps(f(lr), every_k_schedule=2).gradient_transformation(), mode="state"))(
-            inner)
-    for name, inner in (("adam_offload", ak.adam), ("offload_adam_compute", ak.adam),
-                        ("offload_adam_state", ak.adam), ("offload_adamax_state", ak.adamax),
-                        ("offload_sparse_adam_state", ak.sparse_adam),
-                        ("offload_adamw_amsgrad_state", lambda lr: ak.adamw(lr, amsgrad=True)))
+# The offloaded entries' inner optimizer and offload mode, so that the suites wrap an
+# accumulator (optax.MultiSteps) inside the offload as well as around it.
+OFFLOADED = {
+    "adam_offload": (ak.adam, "compute"),
+    "offload_adam_compute": (ak.adam, "compute"),
+    "offload_adam_state": (ak.adam, "state"),
+    "offload_adamax_state": (ak.adamax, "state"),
+    "offload_sparse_adam_state": (ak.sparse_adam, "state"),
+    "offload_adamw_amsgrad_state": (lambda lr: ak.adamw(lr, amsgrad=True), "state"),
 }

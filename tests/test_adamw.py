@@ -303,6 +303,6 @@ def test_offload_wraps_adamw(mode):
     got, state = run(ak.offload(make(), mode=mode), params, grads)
   except (NotImplementedError, RuntimeError) as e:  # this backend lacks the mode
     pytest.skip(str(e))
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {HOST}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim} == {HOST}  # moments
   ref, _ = run(make(), params, grads)
   assert worst(got, ref) < 1e-6

@@ -28,7 +28,12 @@ needs_host = pytest.mark.skipif(not SUPPORTED, reason="ak.offload unsupported he
 
 
 def kinds(tree):
-  return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+  """The memory kinds of ``tree``'s arrays; the 0-d leaves of an offloaded state (step
+  counts, learning-rate records) stay in device memory and must be there."""
+  leaves = jax.tree.leaves(tree)
+  scalars = {x.sharding.memory_kind for x in leaves if x.ndim == 0}
+  assert scalars <= {"device"}, scalars
+  return {x.sharding.memory_kind for x in leaves if x.ndim > 0}
 
 
 def make_params():
@@ -104,7 +109,8 @@ def run_donated(step, params, state, steps):
     for t in range(steps):
       old = jax.tree.leaves((params, state))
       params, state = step(params, state, jnp.float32(t))
-      assert kinds(state) == {HOST}, f"step {t}: state in {kinds(state)}"
+      offloaded = getattr(state, "inner_opt_state", state)  # MultiSteps' accumulator: device
+      assert kinds(offloaded) == {HOST}, f"step {t}: state in {kinds(offloaded)}"
       assert kinds(params) == {"device"}, f"step {t}: params in {kinds(params)}"
       # Donation really happened: every input buffer was consumed.
       assert all(x.is_deleted() for x in old)
@@ -133,10 +139,13 @@ def test_jit_step_placement_and_trajectory(mode, make_tx):
   # What crosses the link per step. Both optimizers read the params (weight decay).
   moved = transfers(jit_step(tx).__wrapped__, params, state, jnp.float32(0))
   p_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  s_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  if mode == "compute":  # gradient and params down, the update up; the state stays
-    assert (nbytes(moved["to_host"]), nbytes(moved["to_device"])) == (2 * p_bytes, p_bytes)
-  else:  # the whole state down to the device and back
+  s_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim > 0)
+  scalar_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim == 0)
+  if mode == "compute":  # gradient and params down, the update up; the moments stay, the
+    # device-resident scalars (step count, lr record) go down and up (a few bytes)
+    assert (nbytes(moved["to_host"]), nbytes(moved["to_device"])) == (
+        2 * p_bytes + scalar_bytes, p_bytes + scalar_bytes)
+  else:  # the moments down to the device and back; the scalars are there already
     assert (nbytes(moved["to_host"]), nbytes(moved["to_device"])) == (s_bytes, s_bytes)
 
   p, s = run_donated(jit_step(tx), copy(params), state, steps=4)
@@ -190,12 +199,14 @@ def test_inject_hyperparams_and_multisteps_interop():
     rp, rs = jit_step(ref, donate=False)(rp, rs, jnp.float32(t))
   assert kinds(s.inner_state) == {HOST}  # (inject's own hyperparameters are its business)
   assert_close_tree(p, rp)
-  # Gradient accumulation: offload the MultiSteps wrapper (mode="state"), not its inside.
-  tx = ak.offload(optax.MultiSteps(ak.adam(0.1), 2).gradient_transformation(), mode="state")
-  with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int and float itself
-    p, s = run_donated(jit_step(tx), copy(params), tx.init(params), steps=2)
-  assert kinds(s) == {HOST}
-  assert not np.allclose(np.asarray(p["conv"]["kernel"]), np.asarray(params["conv"]["kernel"]))
+  # Gradient accumulation, both orders: the offload around MultiSteps (mode="state"), and
+  # MultiSteps around the offload (its lax.cond meets the state's device-resident scalars).
+  for tx in (ak.offload(optax.MultiSteps(ak.adam(0.1), 2).gradient_transformation(), mode="state"),
+             optax.MultiSteps(ak.offload(ak.adam(0.1)), 2)):
+    with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int and float itself
+      p, s = run_donated(jit_step(tx), copy(params), tx.init(params), steps=2)
+    assert kinds(getattr(s, "inner_opt_state", s)) == {HOST}
+    assert not np.allclose(np.asarray(p["conv"]["kernel"]), np.asarray(params["conv"]["kernel"]))
 
 
 # --------------------------------------------------------------------- golden
@@ -261,7 +272,7 @@ def test_sharded_state_follows_params_in_host_memory(mode, axis_type):
       for x, p in zip(jax.tree.leaves(tree), jax.tree.leaves(params)):
         assert x.sharding.memory_kind == HOST
         assert x.sharding.is_equivalent_to(p.sharding.with_memory_kind(HOST), x.ndim)
-    assert m.count.sharding.is_fully_replicated and m.count.sharding.memory_kind == HOST
+    assert m.count.sharding.is_fully_replicated and m.count.sharding.memory_kind == "device"
     assert set(m.count.sharding.device_set) == set(mesh.devices.flat)
 
   state = tx.init(params)
@@ -300,10 +311,11 @@ def test_offload_shardings_matches_by_path_and_shape():
   a = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("x", None)))
   b = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "x")))
   params = {"a": a, "b": b}
-  # Factored moments (shapes unlike any param) are replicated, still in host memory.
+  # Factored moments (shapes unlike any param) are replicated, still in host memory; the
+  # 0-d leaves (step count) replicated in device memory.
   state = optax.adafactor(0.1).init(params)
   for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(ak.offload_shardings(state, params))):
-    assert s.memory_kind == HOST
+    assert s.memory_kind == (HOST if x.ndim else "device")
     assert x.shape == (8, 8) or s.is_fully_replicated
   state = ak.scale_by_adam().init(params)
   sh = ak.offload_shardings(state, params)

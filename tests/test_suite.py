@@ -10,7 +10,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from registry import MULTISTEPS, NAMES, REGISTRY
+from registry import NAMES, OFFLOADED, REGISTRY
 
 import adamkit as ak
 
@@ -93,17 +93,44 @@ def test_no_retrace_on_later_steps(name):
   chex.clear_trace_counter()
 
 
+def _accumulate_outside(name, lr):
+  return optax.MultiSteps(REGISTRY[name](lr), every_k_schedule=2)
+
+
+def _accumulate_inside_offload(name, lr):
+  inner, mode = OFFLOADED[name]
+  return ak.offload(optax.MultiSteps(inner(lr), every_k_schedule=2).gradient_transformation(),
+                    mode=mode)
+
+
+# optax.MultiSteps around every optimizer; for the offloaded ones also inside the offload.
+MULTISTEPS_CASES = [(n, "outside") for n in NAMES] + [(n, "inside_offload") for n in OFFLOADED]
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_inside_optax_chain_and_multisteps(name):
+def test_inside_optax_chain(name):
   params = make_params()
   # chain with an optax link in front is accepted and changes the result
   chained = optax.chain(optax.clip(0.1), REGISTRY[name](0.01))
   p_chain, _ = run(chained, params, steps=2)
   p_plain, _ = run(REGISTRY[name](0.01), params, steps=2)
   assert not np.allclose(np.asarray(p_chain["bias"]), np.asarray(p_plain["bias"]))
-  # MultiSteps(k=2) on grads g0, g1 == one step on their mean
-  ms = MULTISTEPS.get(name, lambda lr: optax.MultiSteps(REGISTRY[name](lr), every_k_schedule=2))(0.01)
+
+
+@pytest.mark.parametrize("name,order", MULTISTEPS_CASES, ids=[f"{n}-{o}" for n, o in MULTISTEPS_CASES])
+def test_multisteps(name, order):
+  """MultiSteps(k=2) on grads g0, g1 == one step on their mean. Inside an offload in
+  mode="compute" MultiSteps' lax.cond cannot be traced on the host: a clear error names
+  mode="state" (documented in docs/offload.md)."""
+  params = make_params()
+  wrap = _accumulate_outside if order == "outside" else _accumulate_inside_offload
+  ms = wrap(name, 0.01)
   state = ms.init(params)
+  if order == "inside_offload" and OFFLOADED[name][1] == "compute":
+    with pytest.raises(RuntimeError, match="Use mode='state'"):
+      with jax.numpy_dtype_promotion("standard"):
+        jax.jit(ms.update)(make_grads(params, 10), state, params)
+    return
   p = params
   g0, g1 = make_grads(params, 10), make_grads(params, 11)
   for g in (g0, g1):
