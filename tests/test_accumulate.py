@@ -214,7 +214,9 @@ def test_outside_offload_equals_plain():
   p, state = _run(tx, params, grads)
   ref, _ = _run(ak.multi_steps(ak.sparse_adam(LR), K, ids_per_step={"emb": 4}), params, grads)
   chex.assert_trees_all_close(p, ref, rtol=1e-6, atol=1e-7)
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(state.inner_opt_state)} == {"pinned_host"}
+  # the moments live in host memory; 0-d leaves (step counters) stay on the device (ak.offload)
+  moments = [x for x in jax.tree.leaves(state.inner_opt_state) if x.ndim > 0]
+  assert moments and {x.sharding.memory_kind for x in moments} == {"pinned_host"}
 
 
 @pytest.mark.parametrize("mode", ["state", "compute"])
