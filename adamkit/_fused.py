@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.shard_alike import shard_alike
 
 from adamkit import _adam, _backend, _masks, _ops, _schedules, _validate
 from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
@@ -50,14 +51,32 @@ class FusedAdamState(NamedTuple):
   nu: Any
 
 
-class FusedStep(NamedTuple):
-  """A fused optimizer: ``init(params) -> state`` and ``step(params, state, grads) ->
-  (params, state)``. Jit ``step`` with ``donate_argnums=(0, 1)``: the kernel then updates
-  params and state in place."""
+class FusedStep(optax.GradientTransformationExtraArgs):
+  """A fused optimizer: an ``optax.GradientTransformation`` (``init(params) -> state``,
+  ``update(grads, state, params) -> (updates, state)``) with a fast path,
+  ``step(params, state, grads) -> (params, state)``, over the same state. Jit ``step``
+  with ``donate_argnums=(0, 1)``: the kernel then updates params and state in place.
 
-  init: Callable[[optax.Params], FusedAdamState]
-  step: Callable[[optax.Params, FusedAdamState, optax.Updates],
-                 tuple[optax.Params, FusedAdamState]]
+  ``FusedStep(init, step, update)``; without ``update`` (a step-only wrapper, e.g. an
+  offloaded fused step) ``update`` raises a ``TypeError`` that says so.
+  """
+
+  step: Callable[[optax.Params, Any, optax.Updates], tuple[optax.Params, Any]]
+
+  def __new__(cls, init, step, update=None):
+    if update is None:
+      def update(updates, state, params=None, **extra_args):
+        del updates, state, params, extra_args
+        raise TypeError(
+            "This FusedStep has a `step` only (an offloaded fused step): call "
+            "`step(params, state, grads)`, or offload the optax form of the optimizer "
+            "(ak.offload(ak.adam(...))) to use `update`.")
+    self = super().__new__(cls, init, update)
+    self.step = step
+    return self
+
+  def __getnewargs__(self):
+    return (self.init, self.step, self.update)
 
 
 class _Leaf(NamedTuple):
@@ -127,6 +146,20 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of) -> None:
                          "floating-point array of its param's shape.")
 
 
+def _keep_shardings(new: list, old: list, multi_tensor: bool) -> list:
+  """Each new leaf sharded as its input leaf was. A flat moment buffer is laid out by XLA,
+  and a slice of it would lend its sharding to the leaf computed from it (a replicated
+  bias came back ``P('model')``); per-leaf moments follow their params by themselves.
+  Nothing to tie on one device."""
+  if not multi_tensor or _backend.placement(*old) in (_backend.ONE_CPU, _backend.TRACED_ONE_CPU):
+    return new
+  return [n if _is_rs(n) else shard_alike(n, o)[0] for n, o in zip(new, old)]
+
+
+def _is_rs(x) -> bool:
+  return isinstance(x, RowSparse)
+
+
 # --------------------------------------------------------------------- the fused step
 
 
@@ -193,7 +226,9 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       out.append(_Leaf(name, p, g, decay, *m_slot, *v_slot))
     return out
 
-  def step_fn(params, state, grads):
+  def start(params, state, grads):
+    """This step's scalars and the moment buffers by key (a dtype name in multi-tensor
+    mode, else the leaf's index)."""
     _validate.check_matching_trees(grads, params)
     _check_state(state, params, leaf_names(params), multi_tensor, mu_of, nu_of)
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
@@ -207,6 +242,48 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       mu, nu = dict(state.mu), dict(state.nu)
     else:
       mu, nu = dict(enumerate(jax.tree.leaves(state.mu))), dict(enumerate(jax.tree.leaves(state.nu)))
+    return hyper, wd, count, mu, nu
+
+  def finish(params, count, mu, nu) -> FusedAdamState:
+    if not multi_tensor:
+      treedef = jax.tree.structure(params)
+      mu, nu = treedef.unflatten(list(mu.values())), treedef.unflatten(list(nu.values()))
+    return FusedAdamState(count=count, mu=mu, nu=nu)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    """The optax protocol: ``-lr * u`` per leaf (a :class:`RowSparse` of the touched rows
+    for a lazy row-sparse leaf), as :func:`adam` / :func:`sparse_adam` compute it."""
+    del extra_args
+    grads = updates
+    if params is None:
+      if decays:
+        raise ValueError("Weight decay needs `params`: call `update(grads, state, params)`.")
+      params = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype), grads,
+                            is_leaf=lambda x: isinstance(x, RowSparse))
+    hyper, wd, count, mu, nu = start(params, state, grads)
+    out = []
+    for leaf in leaf_records(params, grads, wd):
+      m, v = mu[leaf.m_key], nu[leaf.v_key]
+      if isinstance(leaf.g, RowSparse):
+        ids, u, m, v = _ops.lazy_rows(hyper, leaf.g, m, v, table_shape=np.shape(leaf.p),
+                                      m_at=leaf.m_at, v_at=leaf.v_at, merge=not unique_ids,
+                                      backend=backend)
+        u = RowSparse.tree_unflatten(leaf.g.num_rows,
+                                     (ids, _ops.lr_step(hyper.lr, u.astype(leaf.g.dtype))))
+      else:
+        (u,), m, v = _ops.dense_update(hyper, [leaf.p], [leaf.g], m, v,
+                                       m_at=None if leaf.m_at is None else [leaf.m_at],
+                                       v_at=None if leaf.v_at is None else [leaf.v_at],
+                                       decay=leaf.decay)
+      mu[leaf.m_key], nu[leaf.v_key] = m, v
+      out.append(u)
+    like = [g if isinstance(p, jax.ShapeDtypeStruct) else p
+            for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads, is_leaf=_is_rs))]
+    out = _keep_shardings(out, like, multi_tensor)
+    return jax.tree.structure(params).unflatten(out), finish(params, count, mu, nu)
+
+  def step_fn(params, state, grads):
+    hyper, wd, count, mu, nu = start(params, state, grads)
     new_params = []
     # The step, in the order of its equations: this step's scalars (learning rate, decay,
     # bias corrections), then each run of leaves: decay, moments, direction, new params.
@@ -226,12 +303,10 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       mu[first.m_key], nu[first.v_key] = m, v
       new_params += ps
 
-    treedef = jax.tree.structure(params)
-    if not multi_tensor:
-      mu, nu = treedef.unflatten(list(mu.values())), treedef.unflatten(list(nu.values()))
-    return treedef.unflatten(new_params), FusedAdamState(count=count, mu=mu, nu=nu)
+    new_params = _keep_shardings(new_params, jax.tree.leaves(params), multi_tensor)
+    return jax.tree.structure(params).unflatten(new_params), finish(params, count, mu, nu)
 
-  return FusedStep(init_fn, step_fn)
+  return FusedStep(init_fn, step_fn, update_fn)
 
 
 def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,

@@ -58,7 +58,7 @@ def direction(h: Hyper, g, m, v):
                         eps_mode=h.kind, nesterov=h.nesterov)
 
 
-def _lr_step(lr, u):
+def lr_step(lr, u):
   """``-lr * u`` rounded as the learning-rate link rounds it (in ``u``'s dtype)."""
   return (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
 
@@ -122,13 +122,7 @@ def dense_step(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array]
   ``(params, m, v)``; the reference's rounding points: direction in the gradient's dtype,
   the learning rate, then the params' dtype."""
   params, grads = list(params), list(grads)
-  if m_at is None and len(params) != 1:
-    raise ValueError("Leaf-shaped moments hold one leaf; pass offsets for several.")
-  for j, (p, g) in enumerate(zip(params, grads)):
-    if g.shape != p.shape:
-      raise ValueError(f"A gradient of shape {g.shape} for a param of shape {p.shape}.")
-    check_moments(m, None if m_at is None else m_at[j], p.shape, "first moment")
-    check_moments(v, None if v_at is None else v_at[j], p.shape, "second moment")
+  _check_dense(params, grads, m, v, m_at, v_at)
   sizes = [p.size for p in params]
   contiguous = m_at is None or (list(m_at) == list(v_at) and all(
       m_at[j + 1] == m_at[j] + sizes[j] for j in range(len(params) - 1)))
@@ -143,23 +137,58 @@ def dense_step(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array]
           offset=0 if m_at is None else m_at[lo])
       out += ps
     return out, m, v
+  return _dense_xla(_dense_leaf, h, params, grads, m, v, m_at, v_at, decay)
+
+
+def dense_update(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array], m, v, *,
+                 m_at: Sequence[int] | None = None, v_at: Sequence[int] | None = None,
+                 decay: bool = False):
+  """:func:`dense_step`'s arithmetic, returning the optax protocol's update ``-lr * u`` of
+  each leaf instead of its new params: rounded as the named optimizer's chain rounds it, so
+  ``p + update`` is ``optax.apply_updates``' result bit for bit. Always XLA (the kernel
+  writes params, not updates). Returns ``(updates, m, v)``."""
+  params, grads = list(params), list(grads)
+  _check_dense(params, grads, m, v, m_at, v_at)
+  return _dense_xla(_leaf_update, h, params, grads, m, v, m_at, v_at, decay)
+
+
+def _check_dense(params, grads, m, v, m_at, v_at) -> None:
+  if m_at is None and len(params) != 1:
+    raise ValueError("Leaf-shaped moments hold one leaf; pass offsets for several.")
+  for j, (p, g) in enumerate(zip(params, grads)):
+    if g.shape != p.shape:
+      raise ValueError(f"A gradient of shape {g.shape} for a param of shape {p.shape}.")
+    check_moments(m, None if m_at is None else m_at[j], p.shape, "first moment")
+    check_moments(v, None if v_at is None else v_at[j], p.shape, "second moment")
+
+
+def _dense_xla(leaf_fn, h: Hyper, params, grads, m, v, m_at, v_at, decay: bool):
+  """XLA's loop over the leaves: ``leaf_fn`` on each leaf's moment views, the new moments
+  written back into their buffers."""
   out = []
   for j, (p, g) in enumerate(zip(params, grads)):
     mj = None if m_at is None else m_at[j]
     vj = None if v_at is None else v_at[j]
-    new_p, new_m, new_v = _dense_leaf(h, p, g, view(m, mj, p.shape), view(v, vj, p.shape), decay)
+    new_p, new_m, new_v = leaf_fn(h, p, g, view(m, mj, p.shape), view(v, vj, p.shape), decay)
     out.append(new_p)
     m, v = put(m, mj, new_m), put(v, vj, new_v)
   return out, m, v
 
 
 def _dense_leaf(h: Hyper, p, g, m, v, decay: bool):
+  step, m2, v2 = _leaf_update(h, p, g, m, v, decay)
+  return (p + step).astype(p.dtype), m2, v2
+
+
+def _leaf_update(h: Hyper, p, g, m, v, decay: bool):
+  """One leaf's ``-lr * u`` and new moments: decay, direction in the gradient's dtype,
+  the learning rate."""
   if decay:
     g = g + (h.wd * p.astype(jnp.float32)).astype(g.dtype)
   dt = compute_dtype(g)
   u, m2, v2 = direction(h, g.astype(dt), m.astype(dt), v.astype(dt))
   u = u.astype(g.dtype)
-  return (p + _lr_step(h.lr, u)).astype(p.dtype), m2.astype(m.dtype), v2.astype(v.dtype)
+  return lr_step(h.lr, u), m2.astype(m.dtype), v2.astype(v.dtype)
 
 
 # -------------------------------------------------------------------------- row ops
@@ -198,7 +227,7 @@ def lazy_row_step(h: Hyper, p, g: RowSparse, m, v, *, m_at: int | None = None,
     return p, m, v
   ids, u, m, v = lazy_rows(h, g, m, v, table_shape=p.shape, m_at=m_at, v_at=v_at, merge=merge,
                            backend="xla")
-  return _add_rows(p, ids, _lr_step(h.lr, u.astype(g.dtype))), m, v
+  return _add_rows(p, ids, lr_step(h.lr, u.astype(g.dtype))), m, v
 
 
 def row_add(p, u: RowSparse, *, backend: str = "auto"):
