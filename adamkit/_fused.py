@@ -27,7 +27,7 @@ buffer before the kernel runs, a whole extra pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -41,12 +41,53 @@ from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, sa
 from adamkit._tree import leaf_names, zero_moments
 
 
+@jax.tree_util.register_pytree_with_keys_class
+class FlatMoments(Mapping):
+  """Multi-tensor moments: ``{dtype name: 1-D buffer}``, each buffer holding the moments of
+  the leaves of that dtype back to back in the params' tree order, and (static, in the
+  tree structure) where each leaf lies, so that a state can be read and written by
+  parameter name (:func:`adamkit.state_dict`, the framework importers) without the params.
+
+  ``slots``: ``(leaf name, shape, buffer key, offset)`` per param leaf, in tree order.
+  """
+
+  def __init__(self, buffers: Mapping[str, Any], slots: tuple):
+    self._buffers = dict(buffers)
+    self.slots = slots
+
+  def __getitem__(self, key):
+    return self._buffers[key]
+
+  def __iter__(self):
+    return iter(self._buffers)
+
+  def __len__(self):
+    return len(self._buffers)
+
+  def __repr__(self):
+    return f"FlatMoments({self._buffers!r})"
+
+  def tree_flatten_with_keys(self):
+    keys = tuple(self._buffers)
+    children = [(jax.tree_util.DictKey(k), self._buffers[k]) for k in keys]
+    return children, (keys, self.slots)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    keys, slots = aux
+    return cls(dict(zip(keys, children)), slots)
+
+  def replace(self, buffers: Mapping[str, Any]) -> FlatMoments:
+    """The same layout over new buffers."""
+    return FlatMoments(buffers, self.slots)
+
+
 class FusedAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
   # First and second moment (AdaMax: infinity norm), ``mu_dtype``/``nu_dtype`` or the
-  # params' dtype. Per leaf: trees of the params' shapes. Multi-tensor: a dict
-  # {dtype name: 1-D buffer} holding the leaves of that moment dtype back to back, in the
-  # params' tree order.
+  # params' dtype. Per leaf: trees of the params' shapes. Multi-tensor: a
+  # :class:`FlatMoments` {dtype name: 1-D buffer} holding the leaves of that moment dtype
+  # back to back, in the params' tree order.
   mu: Any
   nu: Any
 
@@ -103,6 +144,15 @@ def _flat_layout(leaves, dtype_of) -> tuple[list[tuple[str, int]], dict[str, int
   return slots, sizes
 
 
+def _flat_zeros(params, dtype_of) -> FlatMoments:
+  """Zero multi-tensor moments for ``params``, ``dtype_of(leaf)`` each."""
+  leaves = jax.tree.leaves(params)
+  slots, sizes = _flat_layout(leaves, dtype_of)
+  layout = tuple((name, tuple(np.shape(p)), key, at)
+                 for name, p, (key, at) in zip(leaf_names(params), leaves, slots))
+  return FlatMoments({k: jnp.zeros([n], k) for k, n in sizes.items()}, layout)
+
+
 def _runs(leaves: list[_Leaf]) -> list[list[_Leaf]]:
   """Consecutive dense leaves sharing buffers, dtypes and decay flag (one kernel call can
   take them); a row-sparse leaf is a run of its own."""
@@ -128,7 +178,7 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of) -> None:
     for name, bufs, dtype_of in (("mu", state.mu, mu_of), ("nu", state.nu, nu_of)):
       sizes = _flat_layout(leaves, dtype_of)[1]
       got = ({k: (np.shape(b), getattr(getattr(b, "dtype", None), "name", None))
-              for k, b in bufs.items()} if isinstance(bufs, dict) else type(bufs).__name__)
+              for k, b in bufs.items()} if isinstance(bufs, FlatMoments) else type(bufs).__name__)
       if got != {k: ((n,), k) for k, n in sizes.items()}:
         raise ValueError(f"The multi-tensor state's {name} buffers {got} do not match the "
                          f"params (expected {sizes}): was the state made by this optimizer "
@@ -194,8 +244,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
               f"Param '{name}' is sharded over a mesh with Explicit axes; multi_tensor=True "
               "keeps every leaf's moments in one flat buffer, which cannot follow that "
               "sharding. Use multi_tensor=False (moments sharded like their params).")
-      mu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, mu_of)[1].items()}
-      nu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, nu_of)[1].items()}
+      mu, nu = (_flat_zeros(params, dtype_of) for dtype_of in (mu_of, nu_of))
     return FusedAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def leaf_records(params, grads, wd) -> list[_Leaf]:
@@ -229,6 +278,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
   def start(params, state, grads):
     """This step's scalars and the moment buffers by key (a dtype name in multi-tensor
     mode, else the leaf's index)."""
+    _validate.check_row_ids_untouched(grads)
     _validate.check_matching_trees(grads, params)
     _check_state(state, params, leaf_names(params), multi_tensor, mu_of, nu_of)
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
@@ -244,10 +294,11 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       mu, nu = dict(enumerate(jax.tree.leaves(state.mu))), dict(enumerate(jax.tree.leaves(state.nu)))
     return hyper, wd, count, mu, nu
 
-  def finish(params, count, mu, nu) -> FusedAdamState:
-    if not multi_tensor:
-      treedef = jax.tree.structure(params)
-      mu, nu = treedef.unflatten(list(mu.values())), treedef.unflatten(list(nu.values()))
+  def finish(params, state, count, mu, nu) -> FusedAdamState:
+    if multi_tensor:
+      return FusedAdamState(count=count, mu=state.mu.replace(mu), nu=state.nu.replace(nu))
+    treedef = jax.tree.structure(params)
+    mu, nu = treedef.unflatten(list(mu.values())), treedef.unflatten(list(nu.values()))
     return FusedAdamState(count=count, mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -280,7 +331,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     like = [g if isinstance(p, jax.ShapeDtypeStruct) else p
             for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads, is_leaf=_is_rs))]
     out = _keep_shardings(out, like, multi_tensor)
-    return jax.tree.structure(params).unflatten(out), finish(params, count, mu, nu)
+    return jax.tree.structure(params).unflatten(out), finish(params, state, count, mu, nu)
 
   def step_fn(params, state, grads):
     hyper, wd, count, mu, nu = start(params, state, grads)
@@ -304,7 +355,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       new_params += ps
 
     new_params = _keep_shardings(new_params, jax.tree.leaves(params), multi_tensor)
-    return jax.tree.structure(params).unflatten(new_params), finish(params, count, mu, nu)
+    return jax.tree.structure(params).unflatten(new_params), finish(params, state, count, mu, nu)
 
   return FusedStep(init_fn, step_fn, update_fn)
 

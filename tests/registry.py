@@ -6,8 +6,9 @@ A new optimizer or option joins ``REGISTRY`` (name -> factory(learning_rate) ret
 ``REJECTED`` lists the (optimizer, idiom) pairs that raise a documented error instead of
 working, with the error's type and words: ``tests/test_composition.py`` checks both.
 
-The fused steps (``ak.fused_adam``, ``ak.fused_adamax``) join once they are
-``GradientTransformation``s (issue 11, item 4).
+The fused steps (``ak.fused_adam``, ``ak.fused_adamax``) are ``GradientTransformation``s
+too (their ``update``; ``step`` is tested in ``tests/test_fused.py``): multi-tensor (the
+default) and per leaf, and under ``ak.master_weights``.
 """
 
 import optax
@@ -53,13 +54,28 @@ REGISTRY = {
     "master_weights_sparse_adam": lambda lr: ak.master_weights(ak.sparse_adam(lr)),
     "offload_adamw_amsgrad_state": lambda lr: ak.offload(ak.adamw(lr, amsgrad=True), mode="state"),
     "master_weights_adamw": lambda lr: ak.master_weights(ak.adamw(lr)),
+    # issue 11 item 4: the fused steps' optax form
+    "fused_adam": lambda lr: ak.fused_adam(lr),
+    "fused_adam_per_leaf": lambda lr: ak.fused_adam(lr, eps_mode="corrected", weight_decay=0.01,
+                                                    multi_tensor=False),
+    "fused_adamax": lambda lr: ak.fused_adamax(lr, weight_decay=0.01),
+    "master_weights_fused_adam": lambda lr: ak.master_weights(ak.fused_adam(lr)),
 }
 
 NAMES = sorted(REGISTRY)
 
+# Documented limits of the fused steps' optax form (docs/optimizers/fused.md):
+# - their state keeps no learning-rate record: ak.get_lr raises a ValueError naming the
+#   missing "learning-rate link" (the rate is the schedule's at `count`);
+NO_LR_RECORD = ("fused_adam", "fused_adam_per_leaf", "fused_adamax", "master_weights_fused_adam")
+# - multi-tensor moments are flat buffers (one per dtype), which cannot take a param's
+#   sharding: the params keep theirs, the buffers are laid out by XLA.
+FLAT_STATE = ("fused_adam", "fused_adamax", "master_weights_fused_adam")
+
 # The entries that take RowSparse gradients (the others refuse them with a TypeError).
 SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",
-          "master_weights_sparse_adam")
+          "master_weights_sparse_adam", "fused_adam", "fused_adam_per_leaf",
+          "master_weights_fused_adam")
 
 # MultiSteps' lax.cond cannot mix host-resident and device scalars, so an offloaded
 # optimizer is accumulated the other way round: the offload wraps MultiSteps (documented
