@@ -1,6 +1,6 @@
 """The fused step: Adam and AdaMax in one pass over memory, params included.
 
-Why a separate API. An optax ``GradientTransformation`` returns *updates*, and
+Why a second form. An optax ``GradientTransformation`` returns *updates*, and
 ``optax.apply_updates`` adds them to the params afterwards; XLA:CPU then emits an Adam step as
 three loops (first moment, second moment, params), about 40 bytes of memory traffic per
 float32 parameter, while the step's data is 28 bytes (read p, g, m, v; write p, m, v).
@@ -14,6 +14,10 @@ step on each row-sparse leaf; whether the C++ kernel or XLA computes it is decid
 of all leaves of a dtype are one flat buffer, so one kernel call updates a run of up to 32
 float32 leaves (300 small leaves: 10 launches, not 900 loops); on XLA each leaf's moments
 are written back into the flat buffers with ``dynamic_update_slice``.
+
+A :class:`FusedStep` is also a ``GradientTransformation`` over the same state: its
+``update`` computes ``-lr * u`` with the XLA operations of :mod:`adamkit._ops` (the
+kernel writes params, not updates), for chains, ``nnx.Optimizer`` and master weights.
 
 The reference is the named optimizer: for the options it accepts,
 ``fused_adam(...).step(p, s, g)[0]`` equals ``optax.apply_updates(p, adam(...).update(g, s2,
@@ -390,11 +394,17 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
   and of both moments once, in place, so the step costs ``O(k)`` for ``k`` ids whatever the
   table size. ``lazy=False`` densifies it (``FusedSparseAdam``: every row moves).
 
+  Also an ``optax.GradientTransformation`` over the same state: ``update(grads, state,
+  params)`` returns :math:`-\alpha_t u_t` computed as :func:`adam` computes it (plain JAX;
+  ``update`` + ``optax.apply_updates`` is :func:`adam`'s result bit for bit op by op), for
+  ``optax.chain``, ``nnx.Optimizer`` and :func:`master_weights`; ``step`` is the one-pass
+  path that saves ``optax.apply_updates``' extra pass (about 40 bytes of traffic per
+  parameter instead of 28).
+
   .. warning::
-    Not an ``optax.GradientTransformation``: ``step`` returns the new params, because the
-    extra pass of ``optax.apply_updates`` is what keeps the optax-protocol step at about
-    40 bytes per parameter instead of 28. Only the options listed here are fused;
-    clipping, loss scale, groups and gradient centralization need :func:`adam`.
+    Only the options listed here are fused; clipping, loss scale, groups and gradient
+    centralization need :func:`adam` (or ``optax.chain`` before the fused transform). The
+    state keeps no learning-rate record: :func:`get_lr` raises on it.
 
   Args:
     learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``weight_decay``,
@@ -415,10 +425,16 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       merge (as in :func:`sparse_adam`).
 
   Returns:
-    A :class:`FusedStep` ``(init, step)``, state :class:`FusedAdamState`.
+    A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, adamkit as ak
+    >>> import jax, jax.numpy as jnp, optax, adamkit as ak
+    >>> opt = ak.fused_adam(0.1, eps_mode="corrected")  # the optax form
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> updates, state = opt.update({"w": jnp.array([2.0, -4.0])}, opt.init(params), params)
+    >>> optax.apply_updates(params, updates)["w"]
+    Array([ 0.9, -1.9], dtype=float32)
+
     >>> opt = ak.fused_adam(0.1)
     >>> params = {"emb": jnp.zeros((1_000_000, 4))}
     >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
@@ -461,9 +477,12 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
   Every argument means what it means in :func:`fused_adam`; the numbers are
   :func:`adamkit.adamax`'s (MindSpore's :math:`\epsilon` placement).
 
+  Also an ``optax.GradientTransformation`` (``update``, :func:`adamax`'s numbers; see
+  :func:`fused_adam`).
+
   .. warning::
-    Not an ``optax.GradientTransformation`` (see :func:`fused_adam`). The :math:`\epsilon`
-    placement differs from optax's and PyTorch's AdaMax (see :func:`scale_by_adamax`).
+    The :math:`\epsilon` placement differs from optax's and PyTorch's AdaMax (see
+    :func:`scale_by_adamax`).
 
   Examples:
     >>> import jax.numpy as jnp, adamkit as ak

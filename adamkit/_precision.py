@@ -59,12 +59,18 @@ def master_weights(tx: optax.GradientTransformation, *,
     the state is the source of truth: a param overwritten outside the optimizer is ignored
     (the master is re-read from the params only at ``init``).
 
+  A :class:`adamkit.FusedStep` (``ak.fused_adam(...)``; Paddle ``multi_precision`` with
+  ``use_multi_tensor``) gives a ``FusedStep`` again: its ``update`` is the above, and its
+  ``step(params, state, grads) -> (params, state)`` runs the fused step on the float32
+  tree and writes each low-precision param as its new master, cast (Paddle's rule).
+
   Args:
-    tx: any optax transformation (e.g. ``ak.adam(...)``).
+    tx: any optax transformation (e.g. ``ak.adam(...)``), or a fused step.
     master_dtype: dtype of the master copy (float32).
 
   Returns:
-    An ``optax.GradientTransformation`` with state :class:`MasterWeightsState`.
+    An ``optax.GradientTransformation`` with state :class:`MasterWeightsState` (a
+    :class:`adamkit.FusedStep` when ``tx`` is one).
 
   Examples:
     >>> import jax.numpy as jnp, optax, adamkit as ak
