@@ -267,8 +267,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
                                                 flags, m_slots, v_slots):
       if isinstance(g, RowSparse):
         if algo == "adamax":
-          raise TypeError("fused_adamax takes dense gradients (AdaMax has no row-sparse form "
-                          f"in MindSpore or Paddle): pass `g.todense()` for '{name}'.")
+          raise TypeError("fused_adamax takes dense gradients, not a RowSparse (AdaMax has no "
+                          f"row-sparse form in MindSpore or Paddle): pass `g.todense()` for '{name}'.")
         _ops.check_rows(g, np.shape(p), what=f"gradient of '{name}'")
         if decay:
           rows = gather_rows(p, safe_ids(g.indices, g.num_rows))
