@@ -73,7 +73,8 @@ def _cases():
   sys.path.insert(0, str(HERE))
   from registry import REGISTRY
   own = ["sparse_adam_lazy", "sparse_adam_not_lazy", "fused_adam_xla", "fused_adam_auto",
-         "fused_adamax", "offload_state", "offload_compute", "master_weights", "routed_rows"]
+         "fused_adamax", "fused_adam_update", "offload_state", "offload_compute",
+         "master_weights", "routed_rows"]
   return [f"registry:{n}" for n in REGISTRY] + own
 
 
