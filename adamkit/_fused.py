@@ -53,6 +53,12 @@ class FlatMoments(Mapping):
   parameter name (:func:`adamkit.state_dict`, the framework importers) without the params.
 
   ``slots``: ``(leaf name, shape, buffer key, offset)`` per param leaf, in tree order.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> state = ak.fused_adam().init({"b": jnp.zeros(3), "w": jnp.zeros((2, 2))})
+    >>> {k: v.shape for k, v in state.mu.items()}, state.mu.slots
+    ({'float32': (7,)}, (('b', (3,), 'float32', 0), ('w', (2, 2), 'float32', 3)))
   """
 
   def __init__(self, buffers: Mapping[str, Any], slots: tuple):
