@@ -1,7 +1,7 @@
 """adamkit: Adam-family optimizer transforms for JAX that reproduce MindSpore and Paddle.
 
-Every optimizer is an ``optax.GradientTransformation`` (except the fused steps, which
-return new params)::
+Every optimizer is an ``optax.GradientTransformation`` (the fused steps also have a
+one-pass ``step`` that returns the new params)::
 
   import adamkit as ak
   tx = ak.adam(1e-3, weight_decay=0.05)        # MindSpore nn.Adam semantics
@@ -23,6 +23,7 @@ from adamkit._checkpoint import get_lr, load_state_dict, set_lr, state_dict
 
 # Speed and precision: the one-pass fused step, master weights, float32 hyperparameters.
 from adamkit._fused import (
+    FlatMoments,
     FusedAdamState,
     FusedAmsgradState,
     FusedStep,
@@ -88,6 +89,6 @@ __all__ = [
     # offload
     "offload", "adam_offload", "offload_shardings", "offload_state",
     # speed and precision
-    "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "build_cpu_kernel",
+    "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "FlatMoments", "build_cpu_kernel",
     "cpu_kernel_available", "master_weights", "MasterWeightsState", "inject_hyperparams",
 ]

@@ -12,19 +12,20 @@ from jax.experimental import multihost_utils
 
 from adamkit._adam import ScaleByAdamState, ScaleByAmsgradState
 from adamkit._adamax import ScaleByAdamaxState
+from adamkit._fused import FlatMoments, FusedAdamState, FusedAmsgradState
 from adamkit._links import ScaleByLearningRateState
 from adamkit._sparse import ScaleBySparseAdamState
 from adamkit._validate import check_non_negative, path_name
 
 _MOMENT_STATES = (ScaleByAdamState, ScaleByAmsgradState, ScaleByAdamaxState,
-                  ScaleBySparseAdamState)
+                  ScaleBySparseAdamState, FusedAdamState, FusedAmsgradState)
 # Per-parameter fields of a moment state and their names in a state dict.
 MOMENT_FIELDS = (("mu", "moment1"), ("nu", "moment2"), ("nu_max", "moment2_max"))
 
 
 def is_moment_state(x) -> bool:
-  """A per-parameter ``(count, mu, nu[, nu_max])`` state node: Adam, AMSGrad, AdaMax or
-  sparse Adam."""
+  """A per-parameter ``(count, mu, nu[, nu_max])`` state node: Adam, AMSGrad, AdaMax,
+  sparse Adam or a fused step (per leaf or multi-tensor)."""
   return isinstance(x, _MOMENT_STATES)
 
 
@@ -37,26 +38,52 @@ def _group_of(path) -> str:
   return ""
 
 
-def _named_leaves(state: Any) -> list[tuple[str, Any]]:
-  """``(name, leaf)`` for every array leaf of ``state``, in ``jax.tree.leaves`` order."""
+def _named_leaves(state: Any) -> list[tuple[str, int, Any, Any]]:
+  """``(name, index, leaf, part)`` for every named array of ``state``: ``leaf`` is the
+  ``index``-th of ``jax.tree.leaves(state)``; ``part`` is ``None`` (the whole leaf) or
+  ``(offset, shape)``, one param's moment in a multi-tensor flat buffer (several names
+  then share a leaf)."""
   nodes, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_moment_state)
   n_moment = sum(1 for _, n in nodes if is_moment_state(n))
   out = []
+  index = 0
+
+  def add(name, leaf, part=None):
+    out.append((name, index, leaf, part))
+
   for path, node in nodes:
     if not is_moment_state(node):
-      out.append(("state." + (path_name(path) or "root"), node))
+      add("state." + (path_name(path) or "root"), node)
+      index += 1
       continue
     group = _group_of(path)
     prefix = ""
     if n_moment > 1:
       prefix = (group or path_name(path)) + "."
-    out.append((prefix + "step", node.count))
+    add(prefix + "step", node.count)
+    index += 1
     for field, suffix in MOMENT_FIELDS:
       if field not in node._fields:
         continue
-      for p, leaf in jax.tree_util.tree_flatten_with_path(getattr(node, field))[0]:
-        out.append((f"{path_name(p) or 'param'}.{suffix}", leaf))
+      moments = getattr(node, field)
+      if isinstance(moments, FlatMoments):
+        for key, buf in moments.items():
+          for name, shape, buf_key, at in moments.slots:
+            if buf_key == key:
+              add(f"{name}.{suffix}", buf, (at, shape))
+          index += 1
+        continue
+      for p, leaf in jax.tree_util.tree_flatten_with_path(moments)[0]:
+        add(f"{path_name(p) or 'param'}.{suffix}", leaf)
+        index += 1
   return out
+
+
+def _part(whole: np.ndarray, part) -> np.ndarray:
+  if part is None:
+    return whole
+  at, shape = part
+  return whole[at:at + int(np.prod(shape, dtype=np.int64))].reshape(shape)
 
 
 def _to_numpy(leaf: Any) -> np.ndarray:
@@ -101,11 +128,16 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
     ['fc.weight.moment1', 'fc.weight.moment2', 'step']
   """
   named = _named_leaves(state)
-  names = [n for n, _ in named]
+  names = [n for n, *_ in named]
   dupes = {n for n in names if names.count(n) > 1}
   if dupes:
     raise ValueError(f"state_dict: names {sorted(dupes)} are ambiguous in this state.")
-  out = {name: _to_numpy(leaf) for name, leaf in named}
+  wholes = {}  # a flat buffer is gathered once for all the params it holds
+  out = {}
+  for name, index, leaf, part in named:
+    if index not in wholes:
+      wholes[index] = _to_numpy(leaf)
+    out[name] = _part(wholes[index], part)
   if params is not None:
     shapes = {path_name(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     for name, arr in out.items():
@@ -135,22 +167,32 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
     ValueError: a shape differs from the template, or (``strict``) unknown keys.
   """
   named = _named_leaves(like_state)
-  missing = [n for n, _ in named if n not in flat]
+  missing = [n for n, *_ in named if n not in flat]
   if missing:
     raise KeyError(f"load_state_dict: missing entries {missing[:8]}{'...' if len(missing) > 8 else ''}.")
   if strict:
-    extra = set(flat) - {n for n, _ in named}
+    extra = set(flat) - {n for n, *_ in named}
     if extra:
       raise ValueError(f"load_state_dict: unexpected entries {sorted(extra)[:8]}.")
-  leaves = []
-  for name, like in named:
+  values, likes = {}, {}
+  for name, index, like, part in named:
     value = np.asarray(flat[name])
-    if value.shape != np.shape(like):
-      raise ValueError(f"load_state_dict: '{name}' has shape {value.shape}, expected {np.shape(like)}.")
+    want = np.shape(like) if part is None else tuple(part[1])
+    if value.shape != want:
+      raise ValueError(f"load_state_dict: '{name}' has shape {value.shape}, expected {want}.")
     value = value.astype(like.dtype)
+    likes[index] = like
+    if part is None:
+      values[index] = value
+    else:  # one param's moment in a flat buffer: the buffer is filled part by part
+      buf = values.setdefault(index, np.zeros(np.shape(like), like.dtype))
+      buf[part[0]:part[0] + value.size] = value.ravel()
+  leaves = []
+  for index in sorted(values):
+    value, like = values[index], likes[index]
     if isinstance(like, jax.Array) and not like.is_fully_addressable:
       leaves.append(jax.make_array_from_callback(value.shape, like.sharding,
-                                                 lambda index, v=value: v[index]))
+                                                 lambda idx, v=value: v[idx]))
     elif isinstance(like, jax.Array):
       leaves.append(jax.device_put(value, like.sharding))
     else:

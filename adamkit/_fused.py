@@ -1,6 +1,6 @@
 """The fused step: Adam, AdamW, AMSGrad and AdaMax in one pass over memory, params included.
 
-Why a separate API. An optax ``GradientTransformation`` returns *updates*, and
+Why a second form. An optax ``GradientTransformation`` returns *updates*, and
 ``optax.apply_updates`` adds them to the params afterwards; XLA:CPU then emits an Adam step as
 three loops (first moment, second moment, params), about 40 bytes of memory traffic per
 float32 parameter, while the step's data is 28 bytes (read p, g, m, v; write p, m, v).
@@ -19,6 +19,10 @@ AdamW (:func:`fused_adamw`) adds its decoupled decay to the direction in the sam
 AMSGrad (``amsgrad=True``) keeps a third buffer, the running maximum of the second moment,
 laid out as the second moment (36 bytes per float32 parameter instead of 28).
 
+A :class:`FusedStep` is also a ``GradientTransformation`` over the same state: its
+``update`` computes ``-lr * u`` with the XLA operations of :mod:`adamkit._ops` (the
+kernel writes params, not updates), for chains, ``nnx.Optimizer`` and master weights.
+
 The reference is the named optimizer: for the options it accepts,
 ``fused_adam(...).step(p, s, g)[0]`` equals ``optax.apply_updates(p, adam(...).update(g, s2,
 p)[0])`` to float32 rounding; the tests check every option on both backends.
@@ -31,25 +35,73 @@ buffer before the kernel runs, a whole extra pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.shard_alike import shard_alike
 
 from adamkit import _adam, _backend, _links, _masks, _ops, _schedules, _validate
 from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
-from adamkit._tree import leaf_names, zero_moments
+from adamkit._tree import leaf_names, place_scalars_like, replicated_like, zero_moments
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class FlatMoments(Mapping):
+  """Multi-tensor moments: ``{dtype name: 1-D buffer}``, each buffer holding the moments of
+  the leaves of that dtype back to back in the params' tree order, and (static, in the
+  tree structure) where each leaf lies, so that a state can be read and written by
+  parameter name (:func:`adamkit.state_dict`, the framework importers) without the params.
+
+  ``slots``: ``(leaf name, shape, buffer key, offset)`` per param leaf, in tree order.
+
+  Examples:
+    >>> import jax.numpy as jnp, adamkit as ak
+    >>> state = ak.fused_adam().init({"b": jnp.zeros(3), "w": jnp.zeros((2, 2))})
+    >>> {k: v.shape for k, v in state.mu.items()}, state.mu.slots
+    ({'float32': (7,)}, (('b', (3,), 'float32', 0), ('w', (2, 2), 'float32', 3)))
+  """
+
+  def __init__(self, buffers: Mapping[str, Any], slots: tuple):
+    self._buffers = dict(buffers)
+    self.slots = slots
+
+  def __getitem__(self, key):
+    return self._buffers[key]
+
+  def __iter__(self):
+    return iter(self._buffers)
+
+  def __len__(self):
+    return len(self._buffers)
+
+  def __repr__(self):
+    return f"FlatMoments({self._buffers!r})"
+
+  def tree_flatten_with_keys(self):
+    keys = tuple(self._buffers)
+    children = [(jax.tree_util.DictKey(k), self._buffers[k]) for k in keys]
+    return children, (keys, self.slots)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    keys, slots = aux
+    return cls(dict(zip(keys, children)), slots)
+
+  def replace(self, buffers: Mapping[str, Any]) -> FlatMoments:
+    """The same layout over new buffers."""
+    return FlatMoments(buffers, self.slots)
 
 
 class FusedAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
   # First and second moment (AdaMax: infinity norm), ``mu_dtype``/``nu_dtype`` or the
-  # params' dtype. Per leaf: trees of the params' shapes. Multi-tensor: a dict
-  # {dtype name: 1-D buffer} holding the leaves of that moment dtype back to back, in the
-  # params' tree order.
+  # params' dtype. Per leaf: trees of the params' shapes. Multi-tensor: a
+  # :class:`FlatMoments` {dtype name: 1-D buffer} holding the leaves of that moment dtype
+  # back to back, in the params' tree order.
   mu: Any
   nu: Any
 
@@ -64,13 +116,31 @@ class FusedAmsgradState(NamedTuple):
   nu_max: Any  # max of every nu so far (raw, not bias-corrected), laid out and typed as nu
 
 
-class FusedStep(NamedTuple):
-  """A fused optimizer: ``init(params) -> state`` and ``step(params, state, grads) ->
-  (params, state)``. Jit ``step`` with ``donate_argnums=(0, 1)``: the kernel then updates
-  params and state in place."""
+class FusedStep(optax.GradientTransformationExtraArgs):
+  """A fused optimizer: an ``optax.GradientTransformation`` (``init(params) -> state``,
+  ``update(grads, state, params) -> (updates, state)``) with a fast path,
+  ``step(params, state, grads) -> (params, state)``, over the same state. Jit ``step``
+  with ``donate_argnums=(0, 1)``: the kernel then updates params and state in place.
 
-  init: Callable[[optax.Params], FusedAdamState | FusedAmsgradState]
+  ``FusedStep(init, step, update)``; without ``update`` (a step-only wrapper) ``update``
+  raises a ``TypeError`` that says so.
+  """
+
   step: Callable[[optax.Params, Any, optax.Updates], tuple[optax.Params, Any]]
+
+  def __new__(cls, init, step, update=None):
+    if update is None:
+      def update(updates, state, params=None, **extra_args):
+        del updates, state, params, extra_args
+        raise TypeError(
+            "This FusedStep has a `step` only: call `step(params, state, grads)`, or use "
+            "the optax form of the optimizer (e.g. ak.adam(...)) for `update`.")
+    self = super().__new__(cls, init, update)
+    self.step = step
+    return self
+
+  def __getnewargs__(self):
+    return (self.init, self.step, self.update)
 
 
 class _Leaf(NamedTuple):
@@ -95,6 +165,21 @@ def _flat_layout(leaves, dtype_of) -> tuple[list[tuple[str, int]], dict[str, int
     slots.append((key, sizes.get(key, 0)))
     sizes[key] = sizes.get(key, 0) + int(np.prod(np.shape(leaf)))
   return slots, sizes
+
+
+def _flat_zeros(params, dtype_of) -> FlatMoments:
+  """Zero multi-tensor moments for ``params``, ``dtype_of(leaf)`` each."""
+  leaves = jax.tree.leaves(params)
+  slots, sizes = _flat_layout(leaves, dtype_of)
+  layout = tuple((name, tuple(np.shape(p)), key, at)
+                 for name, p, (key, at) in zip(leaf_names(params), leaves, slots))
+  return FlatMoments({k: jnp.zeros([n], k) for k, n in sizes.items()}, layout)
+
+
+def _slots(leaf: _Leaf, n: int) -> tuple[tuple, tuple]:
+  """The leaf's ``n`` moment buffers (keys) and offsets: ``m``, ``v`` and, with AMSGrad,
+  ``v``'s running maximum, laid out as ``v``."""
+  return ((leaf.m_key, leaf.v_key, leaf.v_key)[:n], (leaf.m_at, leaf.v_at, leaf.v_at)[:n])
 
 
 def _runs(leaves: list[_Leaf]) -> list[list[_Leaf]]:
@@ -127,7 +212,7 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad) -> N
     for name, bufs, dtype_of in fields:
       sizes = _flat_layout(leaves, dtype_of)[1]
       got = ({k: (np.shape(b), getattr(getattr(b, "dtype", None), "name", None))
-              for k, b in bufs.items()} if isinstance(bufs, dict) else type(bufs).__name__)
+              for k, b in bufs.items()} if isinstance(bufs, FlatMoments) else type(bufs).__name__)
       if got != {k: ((n,), k) for k, n in sizes.items()}:
         raise ValueError(f"The multi-tensor state's {name} buffers {got} do not match the "
                          f"params (expected {sizes}): was the state made by this optimizer "
@@ -143,6 +228,20 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad) -> N
         raise ValueError(f"state.{name} of '{leaf}' has shape {np.shape(m)} and dtype "
                          f"{m.dtype}; the param has shape {np.shape(p)}: a moment must be a "
                          "floating-point array of its param's shape.")
+
+
+def _keep_shardings(new: list, old: list, multi_tensor: bool) -> list:
+  """Each new leaf sharded as its input leaf was. A flat moment buffer is laid out by XLA,
+  and a slice of it would lend its sharding to the leaf computed from it (a replicated
+  bias came back ``P('model')``); per-leaf moments follow their params by themselves.
+  Nothing to tie on one device."""
+  if not multi_tensor or _backend.placement(*old) in (_backend.ONE_CPU, _backend.TRACED_ONE_CPU):
+    return new
+  return [n if _is_rs(n) else shard_alike(n, o)[0] for n, o in zip(new, old)]
+
+
+def _is_rs(x) -> bool:
+  return isinstance(x, RowSparse)
 
 
 # --------------------------------------------------------------------- the fused step
@@ -182,12 +281,17 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
               f"Param '{name}' is sharded over a mesh with Explicit axes; multi_tensor=True "
               "keeps every leaf's moments in one flat buffer, which cannot follow that "
               "sharding. Use multi_tensor=False (moments sharded like their params).")
-      mu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, mu_of)[1].items()}
-      nu = {k: jnp.zeros([n], k) for k, n in _flat_layout(leaves, nu_of)[1].items()}
+      mu, nu = (_flat_zeros(params, dtype_of) for dtype_of in (mu_of, nu_of))
+      # Placed as the jitted step returns them (committed params: one compilation).
+      flat = replicated_like(params, ndim=1)
+      if flat is not None:
+        mu, nu = jax.device_put((mu, nu), flat)
     count = jnp.zeros([], jnp.int32)
     if amsgrad:
-      return FusedAmsgradState(count=count, mu=mu, nu=nu, nu_max=jax.tree.map(jnp.copy, nu))
-    return FusedAdamState(count=count, mu=mu, nu=nu)
+      state = FusedAmsgradState(count=count, mu=mu, nu=nu, nu_max=jax.tree.map(jnp.copy, nu))
+    else:
+      state = FusedAdamState(count=count, mu=mu, nu=nu)
+    return place_scalars_like(state, params)
 
   def leaf_records(params, grads, wd) -> list[_Leaf]:
     """Each leaf with its gradient, decay flag and moment slots; a row-sparse gradient's
@@ -206,8 +310,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
                                                 flags, m_slots, v_slots):
       if isinstance(g, RowSparse):
         if algo == "adamax":
-          raise TypeError("fused_adamax takes dense gradients (AdaMax has no row-sparse form "
-                          f"in MindSpore or Paddle): pass `g.todense()` for '{name}'.")
+          raise TypeError("fused_adamax takes dense gradients, not a RowSparse (AdaMax has no "
+                          f"row-sparse form in MindSpore or Paddle): pass `g.todense()` for '{name}'.")
         _ops.check_rows(g, np.shape(p), what=f"gradient of '{name}'")
         if decay and not decoupled:
           rows = gather_rows(p, safe_ids(g.indices, g.num_rows))
@@ -218,7 +322,10 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       out.append(_Leaf(name, p, g, decay, *m_slot, *v_slot))
     return out
 
-  def step_fn(params, state, grads):
+  def start(params, state, grads):
+    """This step's scalars and the moment buffers by key (a dtype name in multi-tensor
+    mode, else the leaf's index)."""
+    _validate.check_row_ids_untouched(grads)
     _validate.check_matching_trees(grads, params)
     _check_state(state, params, leaf_names(params), multi_tensor, mu_of, nu_of, amsgrad)
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
@@ -238,15 +345,60 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       bufs = [dict(t) for t in trees]
     else:
       bufs = [dict(enumerate(jax.tree.leaves(t))) for t in trees]
+    return hyper, wd, count, bufs
+
+  def finish(params, state, count, bufs):
+    """The new state: the buffers by key back in the state's layout."""
+    trees = (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
+    if multi_tensor:
+      trees = [t.replace(b) for t, b in zip(trees, bufs)]
+    else:
+      treedef = jax.tree.structure(params)
+      trees = [treedef.unflatten(list(b.values())) for b in bufs]
+    return (FusedAmsgradState if amsgrad else FusedAdamState)(count, *trees)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    """The optax protocol: ``-lr * u`` per leaf (a :class:`RowSparse` of the touched rows
+    for a lazy row-sparse leaf), as :func:`adam` / :func:`sparse_adam` compute it."""
+    del extra_args
+    grads = updates
+    if params is None:
+      if decays:
+        raise ValueError("Weight decay needs `params`: call `update(grads, state, params)`.")
+      params = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype), grads,
+                            is_leaf=_is_rs)
+    hyper, wd, count, bufs = start(params, state, grads)
+    out = []
+    for leaf in leaf_records(params, grads, wd):
+      keys, at = _slots(leaf, len(bufs))
+      moments = tuple(b[k] for b, k in zip(bufs, keys))
+      if isinstance(leaf.g, RowSparse):
+        ids, rows, moments = _ops.lazy_row_update(hyper, leaf.p, leaf.g, moments, at=at,
+                                                  merge=not unique_ids, decay=leaf.decay,
+                                                  backend=backend)
+        u = RowSparse.tree_unflatten(leaf.g.num_rows, (ids, rows))
+      else:
+        (u,), moments = _ops.dense_update(
+            hyper, [leaf.p], [leaf.g], moments,
+            at=None if leaf.m_at is None else [[a] for a in at], decay=leaf.decay)
+      for b, k, x in zip(bufs, keys, moments):
+        b[k] = x
+      out.append(u)
+    like = [g if isinstance(p, jax.ShapeDtypeStruct) else p
+            for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads, is_leaf=_is_rs))]
+    out = _keep_shardings(out, like, multi_tensor)
+    return jax.tree.structure(params).unflatten(out), finish(params, state, count, bufs)
+
+  def step_fn(params, state, grads):
+    hyper, wd, count, bufs = start(params, state, grads)
     new_params = []
     # The step, in the order of its equations: this step's scalars (learning rate, decay,
     # bias corrections), then each run of leaves: decay, moments, direction, new params.
     for run in _runs(leaf_records(params, grads, wd)):
       first = run[0]
-      keys = (first.m_key, first.v_key, first.v_key)[:len(bufs)]
+      keys, at = _slots(first, len(bufs))
       moments = tuple(b[k] for b, k in zip(bufs, keys))
       if isinstance(first.g, RowSparse):
-        at = (first.m_at, first.v_at, first.v_at)[:len(bufs)]
         p, moments = _ops.lazy_row_step(hyper, first.p, first.g, moments, at=at,
                                         merge=not unique_ids, decay=first.decay,
                                         backend=backend)
@@ -262,16 +414,10 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
         b[k] = x
       new_params += ps
 
-    treedef = jax.tree.structure(params)
-    if multi_tensor:
-      trees = bufs
-    else:
-      trees = [treedef.unflatten(list(b.values())) for b in bufs]
-    if amsgrad:
-      return treedef.unflatten(new_params), FusedAmsgradState(count, *trees)
-    return treedef.unflatten(new_params), FusedAdamState(count, *trees)
+    new_params = _keep_shardings(new_params, jax.tree.leaves(params), multi_tensor)
+    return jax.tree.structure(params).unflatten(new_params), finish(params, state, count, bufs)
 
-  return FusedStep(init_fn, step_fn)
+  return FusedStep(init_fn, step_fn, update_fn)
 
 
 def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
@@ -305,11 +451,17 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
   and of both moments once, in place, so the step costs ``O(k)`` for ``k`` ids whatever the
   table size. ``lazy=False`` densifies it (``FusedSparseAdam``: every row moves).
 
+  Also an ``optax.GradientTransformation`` over the same state: ``update(grads, state,
+  params)`` returns :math:`-\alpha_t u_t` computed as :func:`adam` computes it (plain JAX;
+  ``update`` + ``optax.apply_updates`` is :func:`adam`'s result bit for bit op by op), for
+  ``optax.chain``, ``nnx.Optimizer`` and :func:`master_weights`; ``step`` is the one-pass
+  path that saves ``optax.apply_updates``' extra pass (about 40 bytes of traffic per
+  parameter instead of 28).
+
   .. warning::
-    Not an ``optax.GradientTransformation``: ``step`` returns the new params, because the
-    extra pass of ``optax.apply_updates`` is what keeps the optax-protocol step at about
-    40 bytes per parameter instead of 28. Only the options listed here are fused;
-    clipping, loss scale, groups and gradient centralization need :func:`adam`.
+    Only the options listed here are fused; clipping, loss scale, groups and gradient
+    centralization need :func:`adam` (or ``optax.chain`` before the fused transform). The
+    state keeps no learning-rate record: :func:`get_lr` raises on it.
 
   Args:
     learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``amsgrad``,
@@ -332,11 +484,17 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       merge (as in :func:`sparse_adam`).
 
   Returns:
-    A :class:`FusedStep` ``(init, step)``, state :class:`FusedAdamState` (with ``amsgrad``:
-    :class:`FusedAmsgradState`).
+    A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`
+    (with ``amsgrad``: :class:`FusedAmsgradState`).
 
   Examples:
-    >>> import jax, jax.numpy as jnp, adamkit as ak
+    >>> import jax, jax.numpy as jnp, optax, adamkit as ak
+    >>> opt = ak.fused_adam(0.1, eps_mode="corrected")  # the optax form
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> updates, state = opt.update({"w": jnp.array([2.0, -4.0])}, opt.init(params), params)
+    >>> optax.apply_updates(params, updates)["w"]
+    Array([ 0.9, -1.9], dtype=float32)
+
     >>> opt = ak.fused_adam(0.1)
     >>> params = {"emb": jnp.zeros((1_000_000, 4))}
     >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
@@ -401,9 +559,11 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
   per step, rows not looked up do not decay), in one kernel call on one CPU device;
   ``lazy=False`` densifies it (every row moves and decays).
 
+  Also an ``optax.GradientTransformation`` (``update``, :func:`adamw`'s numbers; see
+  :func:`fused_adam`).
+
   .. warning::
-    Not an ``optax.GradientTransformation`` (see :func:`fused_adam`). Clipping, loss scale,
-    groups and ``nonfinite`` need :func:`adamw`. The defaults are :func:`adamw`'s
+    Clipping, loss scale, groups and ``nonfinite`` need :func:`adamw`. The defaults are :func:`adamw`'s
     (``eps_mode="corrected"``, ``weight_decay=0.01``, MindSpore's decay mask: pass
     ``weight_decay_mask=None`` for Paddle, PyTorch and optax).
 
@@ -414,8 +574,8 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     multi_tensor: and ``backend``, ``lazy``, ``unique_ids``: as in :func:`fused_adam`.
 
   Returns:
-    A :class:`FusedStep` ``(init, step)``, state :class:`FusedAdamState` (with ``amsgrad``:
-    :class:`FusedAmsgradState`).
+    A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`
+    (with ``amsgrad``: :class:`FusedAmsgradState`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, adamkit as ak
@@ -458,9 +618,12 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
   Every argument means what it means in :func:`fused_adam`; the numbers are
   :func:`adamkit.adamax`'s (MindSpore's :math:`\epsilon` placement).
 
+  Also an ``optax.GradientTransformation`` (``update``, :func:`adamax`'s numbers; see
+  :func:`fused_adam`).
+
   .. warning::
-    Not an ``optax.GradientTransformation`` (see :func:`fused_adam`). The :math:`\epsilon`
-    placement differs from optax's and PyTorch's AdaMax (see :func:`scale_by_adamax`).
+    The :math:`\epsilon` placement differs from optax's and PyTorch's AdaMax (see
+    :func:`scale_by_adamax`).
 
   Examples:
     >>> import jax.numpy as jnp, adamkit as ak

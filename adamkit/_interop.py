@@ -29,6 +29,7 @@ import optax
 
 from adamkit._adamax import ScaleByAdamaxState
 from adamkit._checkpoint import MOMENT_FIELDS, is_moment_state
+from adamkit._fused import FlatMoments
 from adamkit._links import ScaleByLearningRateState
 from adamkit._validate import path_name
 
@@ -220,7 +221,7 @@ def _steps_from_powers(powers, b1, b2, offset, framework):
 
 def _leaf_names(tree, names: Names):
   def rename(path):
-    name = path_name(path)
+    name = path if isinstance(path, str) else path_name(path)
     if names is None:
       return name
     if callable(names):
@@ -266,18 +267,31 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
   rename = _leaf_names(params, names)
   missing = []
 
+  def framework_value(path, like, what):
+    """The framework's ``what`` for the leaf at ``path`` (or named so), shaped and typed
+    as ``like``; ``None`` if it has none."""
+    name = rename(path)
+    hit = lookup(name, what)
+    if hit is None:
+      missing.append(f"{name} ({what})")
+      return None
+    key, value = hit
+    try:
+      return _like(value, like)
+    except ValueError as e:
+      raise ValueError(f"{framework} entry {key!r}: {e}") from None
+
   def fill_tree(tree, what):
+    if isinstance(tree, FlatMoments):  # multi-tensor: each param's moment in its buffer
+      bufs = {k: np.array(b) for k, b in tree.items()}
+      for name, shape, key, at in tree.slots:
+        value = framework_value(name, jax.ShapeDtypeStruct(shape, bufs[key].dtype), what)
+        if value is not None:
+          bufs[key][at:at + value.size] = np.asarray(value).ravel()
+      return tree.replace({k: _like(b, tree[k]) for k, b in bufs.items()})
     def leaf(path, old):
-      name = rename(path)
-      hit = lookup(name, what)
-      if hit is None:
-        missing.append(f"{name} ({what})")
-        return old
-      key, value = hit
-      try:
-        return _like(value, old)
-      except ValueError as e:
-        raise ValueError(f"{framework} entry {key!r}: {e}") from None
+      new = framework_value(path, old, what)
+      return old if new is None else new
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
   def fill(node):

@@ -431,7 +431,10 @@ def _offload_fused(opt: FusedStep, mode: str, memory_kind: str) -> FusedStep:
     with _explain_host_tracing():
       return _compat.on_host(opt.step, (_compat.DEVICE, spaces))(params, state, grads)
 
-  return FusedStep(_host_init(opt.init, mode, memory_kind), step_fn)
+  # The optax form: the optimizer's own ``update`` offloaded as any transform is.
+  return FusedStep(_host_init(opt.init, mode, memory_kind), step_fn,
+                   offload(optax.GradientTransformationExtraArgs(opt.init, opt.update),
+                           mode=mode, memory_kind=memory_kind).update)
 
 
 def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "compute",
@@ -474,7 +477,8 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "comput
   memory and the state in host memory. In ``"compute"`` mode (DeepSpeed's CPU Adam) the
   grads *and* the params go down and the new params come up (12 bytes per float32
   parameter), and the one-pass step runs on the host; in ``"state"`` mode the state comes
-  to the device for the step, as above.
+  to the device for the step, as above. Its ``update`` (the optax form) is the fused
+  optimizer's ``update`` offloaded as any transform is.
 
   .. warning::
     Where the offloaded fused step runs its C++ kernel. The kernel is registered with XLA

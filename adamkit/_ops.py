@@ -78,7 +78,7 @@ def _decoupled(h: Hyper, u, w):
   return u + (h.wd * w.astype(jnp.float32)).astype(u.dtype)
 
 
-def _lr_step(lr, u):
+def lr_step(lr, u):
   """``-lr * u`` rounded as the learning-rate link rounds it (in ``u``'s dtype)."""
   return (-lr * u.astype(compute_dtype(u))).astype(u.dtype)
 
@@ -153,14 +153,7 @@ def dense_step(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array]
   state)``; the reference's rounding points: direction in the gradient's dtype, the
   decoupled decay, the learning rate, then the params' dtype."""
   params, grads, state = list(params), list(grads), _check_state(h, state)
-  if at is None and len(params) != 1:
-    raise ValueError("Leaf-shaped moments hold one leaf; pass offsets for several.")
-  offsets = [[None] * len(params)] * len(state) if at is None else [list(a) for a in at]
-  for j, (p, g) in enumerate(zip(params, grads)):
-    if g.shape != p.shape:
-      raise ValueError(f"A gradient of shape {g.shape} for a param of shape {p.shape}.")
-    for buf, a, name in zip(state, offsets, STATE_NAMES):
-      check_moments(buf, a[j], p.shape, name)
+  offsets = _check_dense(params, grads, state, at)
   sizes = [p.size for p in params]
   contiguous = at is None or (all(a == offsets[0] for a in offsets) and all(
       offsets[0][j + 1] == offsets[0][j] + sizes[j] for j in range(len(params) - 1)))
@@ -175,16 +168,53 @@ def dense_step(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array]
           offset=0 if at is None else offsets[0][lo])
       out += ps
     return out, state
+  return _dense_xla(_dense_leaf, h, params, grads, state, offsets, decay)
+
+
+def dense_update(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array], state, *,
+                 at: Sequence[Sequence[int]] | None = None, decay: bool = False):
+  """:func:`dense_step`'s arithmetic, returning the optax protocol's update ``-lr * u`` of
+  each leaf instead of its new params: rounded as the named optimizer's chain rounds it, so
+  ``p + update`` is ``optax.apply_updates``' result bit for bit. Always XLA (the kernel
+  writes params, not updates). Returns ``(updates, state)``."""
+  params, grads, state = list(params), list(grads), _check_state(h, state)
+  offsets = _check_dense(params, grads, state, at)
+  return _dense_xla(_leaf_update, h, params, grads, state, offsets, decay)
+
+
+def _check_dense(params, grads, state, at) -> list:
+  """The leaves' shapes against their moment buffers; returns the offsets per buffer."""
+  if at is None and len(params) != 1:
+    raise ValueError("Leaf-shaped moments hold one leaf; pass offsets for several.")
+  offsets = [[None] * len(params)] * len(state) if at is None else [list(a) for a in at]
+  for j, (p, g) in enumerate(zip(params, grads)):
+    if g.shape != p.shape:
+      raise ValueError(f"A gradient of shape {g.shape} for a param of shape {p.shape}.")
+    for buf, a, name in zip(state, offsets, STATE_NAMES):
+      check_moments(buf, a[j], p.shape, name)
+  return offsets
+
+
+def _dense_xla(leaf_fn, h: Hyper, params, grads, state, offsets, decay: bool):
+  """XLA's loop over the leaves: ``leaf_fn`` on each leaf's moment views, the new moments
+  written back into their buffers."""
   out = []
   for j, (p, g) in enumerate(zip(params, grads)):
     olds = [view(buf, a[j], p.shape) for buf, a in zip(state, offsets)]
-    new_p, *news = _dense_leaf(h, p, g, olds, decay)
+    new_p, *news = leaf_fn(h, p, g, olds, decay)
     out.append(new_p)
     state = tuple(put(buf, a[j], x) for buf, a, x in zip(state, offsets, news))
   return out, state
 
 
 def _dense_leaf(h: Hyper, p, g, olds, decay: bool):
+  step, *news = _leaf_update(h, p, g, olds, decay)
+  return ((p + step).astype(p.dtype), *news)
+
+
+def _leaf_update(h: Hyper, p, g, olds, decay: bool):
+  """One leaf's ``-lr * u`` and new moments: decay (L2), direction in the gradient's dtype,
+  decoupled decay (AdamW), the learning rate."""
   if decay and not h.decoupled:
     g = g + (h.wd * p.astype(jnp.float32)).astype(g.dtype)
   dt = compute_dtype(g)
@@ -192,8 +222,7 @@ def _dense_leaf(h: Hyper, p, g, olds, decay: bool):
   u = u.astype(g.dtype)
   if decay and h.decoupled:
     u = _decoupled(h, u, p)
-  return ((p + _lr_step(h.lr, u)).astype(p.dtype),
-          *(n.astype(o.dtype) for n, o in zip(news, olds)))
+  return (lr_step(h.lr, u), *(n.astype(o.dtype) for n, o in zip(news, olds)))
 
 
 # -------------------------------------------------------------------------- row ops
@@ -246,11 +275,25 @@ def lazy_row_step(h: Hyper, p, g: RowSparse, state, *, at: Sequence[int | None] 
     return _backend.native_ffi.sparse_lazy(
         variant, s, g.indices, g.values, state, p, row_shape=p.shape[1:], num_rows=g.num_rows,
         offset=at[0] or 0, merge=merge, decay=decay)
-  ids, u, state = lazy_rows(h, g, state, table_shape=p.shape, at=at, merge=merge, backend="xla")
+  ids, step, state = lazy_row_update(h, p, g, state, at=at, merge=merge, decay=decay,
+                                     backend="xla")
+  return _add_rows(p, ids, step), state
+
+
+def lazy_row_update(h: Hyper, p, g: RowSparse, state, *,
+                    at: Sequence[int | None] | None = None, merge: bool = True,
+                    decay: bool = False, backend: str = "auto"):
+  """:func:`lazy_row_step`'s arithmetic, returning the optax protocol's update rows
+  ``-lr * u`` (decoupled decay included) instead of the table: ``(ids, rows, state)``.
+  ``p`` is read only for the decay (a ``jax.ShapeDtypeStruct`` will do without it)."""
+  if decay and not h.decoupled:
+    raise ValueError("The lazy row step decays decoupled only; add L2 decay to the rows first.")
+  ids, u, state = lazy_rows(h, g, state, table_shape=p.shape, at=at, merge=merge,
+                            backend=backend)
   u = u.astype(g.dtype)
   if decay:
     u = _decoupled(h, u, gather_rows(p, ids))
-  return _add_rows(p, ids, _lr_step(h.lr, u)), state
+  return ids, lr_step(h.lr, u), state
 
 
 def row_add(p, u: RowSparse, *, backend: str = "auto"):

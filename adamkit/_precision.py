@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _validate
+from adamkit._fused import FusedStep
 from adamkit._sparse_types import RowSparse, gather_rows, map_values, safe_ids, scatter_rows
 
 
@@ -58,12 +59,18 @@ def master_weights(tx: optax.GradientTransformation, *,
     the state is the source of truth: a param overwritten outside the optimizer is ignored
     (the master is re-read from the params only at ``init``).
 
+  A :class:`adamkit.FusedStep` (``ak.fused_adam(...)``; Paddle ``multi_precision`` with
+  ``use_multi_tensor``) gives a ``FusedStep`` again: its ``update`` is the above, and its
+  ``step(params, state, grads) -> (params, state)`` runs the fused step on the float32
+  tree and writes each low-precision param as its new master, cast (Paddle's rule).
+
   Args:
-    tx: any optax transformation (e.g. ``ak.adam(...)``).
+    tx: any optax transformation (e.g. ``ak.adam(...)``), or a fused step.
     master_dtype: dtype of the master copy (float32).
 
   Returns:
-    An ``optax.GradientTransformation`` with state :class:`MasterWeightsState`.
+    An ``optax.GradientTransformation`` with state :class:`MasterWeightsState` (a
+    :class:`adamkit.FusedStep` when ``tx`` is one).
 
   Examples:
     >>> import jax.numpy as jnp, optax, adamkit as ak
@@ -130,7 +137,27 @@ def master_weights(tx: optax.GradientTransformation, *,
     new_updates = jax.tree.map(delta, master, params, inner_upd, is_leaf=none)
     return new_updates, MasterWeightsState(master=master, inner=inner)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if not isinstance(tx, FusedStep):
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+  def step_fn(params, state, grads):
+    """Paddle ``multi_precision`` with ``use_multi_tensor``: the fused step on the float32
+    tree, then each low-precision param is its new master, cast (a whole-table cast for a
+    row-sparse leaf: rows the step did not touch cast back to the same bits)."""
+    _validate.check_matching_trees(grads, params)
+    to32 = lambda x: x.astype(master_dtype)  # noqa: E731
+    grads32 = jax.tree.map(lambda m, g: g if m is None else map_values(to32, g), state.master,
+                           grads, is_leaf=lambda x: x is None)
+    full_new, inner = tx.step(full(state.master, params), state.inner, grads32)
+    none = lambda x: x is None  # noqa: E731
+    master = jax.tree.map(lambda m, n: None if m is None else n, state.master, full_new,
+                          is_leaf=none)
+
+    new_params = jax.tree.map(lambda m, p, new: new if m is None else m.astype(p.dtype),
+                              master, params, full_new, is_leaf=none)
+    return new_params, MasterWeightsState(master=master, inner=inner)
+
+  return FusedStep(init_fn, step_fn, update_fn)
 
 
 def inject_hyperparams(inner_factory: Callable[..., optax.GradientTransformation],

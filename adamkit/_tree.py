@@ -72,15 +72,8 @@ def place_scalars_like(state: Any, params: Any) -> Any:
   uncommitted by ``jnp.zeros`` would make the second step compile again. Uncommitted or
   abstract params (and tracers, inside ``jit``) leave ``state`` as it is.
   """
-  placed = [x for x in jax.tree.leaves(params)
-            if isinstance(x, jax.Array) and not is_tracer(x) and x.committed]
-  if not placed:
-    return state
-  sharding = placed[0].sharding
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(),
-                                          memory_kind=sharding.memory_kind)
-  elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+  sharding = replicated_like(params)
+  if sharding is None:
     return state
 
   def place(x):
@@ -89,3 +82,20 @@ def place_scalars_like(state: Any, params: Any) -> Any:
     return x
 
   return jax.tree.map(place, state)
+
+
+def replicated_like(params: Any, ndim: int = 0) -> jax.sharding.Sharding | None:
+  """Where a jitted step over committed ``params`` returns a replicated ``ndim``-d array:
+  their device, or replicated over their mesh (one ``None`` per axis, as ``jit`` writes
+  it). ``None`` for uncommitted or abstract params (or tracers) and other shardings."""
+  placed = [x for x in jax.tree.leaves(params)
+            if isinstance(x, jax.Array) and not is_tracer(x) and x.committed]
+  if not placed:
+    return None
+  sharding = placed[0].sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*[None] * ndim),
+                                      memory_kind=sharding.memory_kind)
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  return None

@@ -31,6 +31,12 @@ def _setup(process_id: int, num_processes: int, port: int):
   return jax
 
 
+def _optax_form(fused):
+  """A fused optimizer seen only as an optax transform (its ``update``, not ``step``)."""
+  import optax
+  return optax.GradientTransformation(fused.init, fused.update)
+
+
 def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) -> None:
   jax = _setup(process_id, num_processes, port)
   import jax.numpy as jnp
@@ -137,6 +143,9 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
                          jnp.float32),
       "fused_adam_auto": (lambda: ak.fused_adam(LR, weight_decay=0.01), "sparse", jnp.float32),
       "fused_adamax": (lambda: ak.fused_adamax(LR, backend="xla"), "dense", jnp.float32),
+      # the fused step's optax form (update + apply_updates), multi-tensor state
+      "fused_adam_update": (lambda: _optax_form(ak.fused_adam(LR, weight_decay=0.01)), "sparse",
+                            jnp.float32),
       "offload_state": (lambda: ak.offload(ak.adam(LR), mode="state"), "dense", jnp.float32),
       "offload_compute": (lambda: ak.offload(ak.adam(LR), mode="compute"), "dense", jnp.float32),
       "master_weights": (lambda: ak.master_weights(ak.adam(LR)), "dense", jnp.bfloat16),

@@ -6,8 +6,9 @@ A new optimizer or option joins ``REGISTRY`` (name -> factory(learning_rate) ret
 ``REJECTED`` lists the (optimizer, idiom) pairs that raise a documented error instead of
 working, with the error's type and words: ``tests/test_composition.py`` checks both.
 
-The fused steps (``ak.fused_adam``, ``ak.fused_adamax``) join once they are
-``GradientTransformation``s (issue 11, item 4).
+The fused steps (``ak.fused_adam``, ``ak.fused_adamax``) are ``GradientTransformation``s
+too (their ``update``; ``step`` is tested in ``tests/test_fused.py``): multi-tensor (the
+default) and per leaf, and under ``ak.master_weights``.
 """
 
 import adamkit as ak
@@ -56,14 +57,37 @@ REGISTRY = {
     "sparse_adamw": lambda lr: ak.sparse_adamw(lr),
     "sparse_adamw_amsgrad_mindspore": lambda lr: ak.sparse_adamw(
         lr, weight_decay=0.05, amsgrad=True, bias_correction=False, eps_mode="hat"),
+    # issue 11 item 4: the fused steps' optax form
+    "fused_adam": lambda lr: ak.fused_adam(lr),
+    "fused_adam_per_leaf": lambda lr: ak.fused_adam(lr, eps_mode="corrected", weight_decay=0.01,
+                                                    multi_tensor=False),
+    "fused_adamax": lambda lr: ak.fused_adamax(lr, weight_decay=0.01),
+    "master_weights_fused_adam": lambda lr: ak.master_weights(ak.fused_adam(lr)),
+    # issue 13 x issue 11: AdamW and AMSGrad in the fused step, optax form
+    "fused_adamw": lambda lr: ak.fused_adamw(lr),
+    "fused_adam_amsgrad_per_leaf": lambda lr: ak.fused_adam(lr, amsgrad=True, weight_decay=0.01,
+                                                            multi_tensor=False),
+    "fused_adamw_amsgrad": lambda lr: ak.fused_adamw(lr, amsgrad=True),
 }
 
 NAMES = sorted(REGISTRY)
 
+# Documented limits of the fused steps' optax form (docs/optimizers/fused.md):
+# - their state keeps no learning-rate record: ak.get_lr raises a ValueError naming the
+#   missing "learning-rate link" (the rate is the schedule's at `count`);
+NO_LR_RECORD = ("fused_adam", "fused_adam_per_leaf", "fused_adamax", "master_weights_fused_adam",
+                "fused_adamw", "fused_adam_amsgrad_per_leaf", "fused_adamw_amsgrad")
+# - multi-tensor moments are flat buffers (one per dtype), which cannot take a param's
+#   sharding: the params keep theirs, the buffers are laid out by XLA.
+FLAT_STATE = ("fused_adam", "fused_adamax", "master_weights_fused_adam", "fused_adamw",
+              "fused_adamw_amsgrad")
+
 # The entries that take RowSparse gradients (the others refuse them with a TypeError).
 SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",
           "master_weights_sparse_adam", "sparse_adam_amsgrad", "sparse_adamw",
-          "sparse_adamw_amsgrad_mindspore")
+          "sparse_adamw_amsgrad_mindspore", "fused_adam", "fused_adam_per_leaf",
+          "master_weights_fused_adam", "fused_adamw", "fused_adam_amsgrad_per_leaf",
+          "fused_adamw_amsgrad")
 
 # Their gradient accumulation: optax.MultiSteps cannot take a RowSparse (its accumulator is
 # zeros_like(params)); ak.multi_steps keeps k * n ids and rows per table instead. The same

@@ -324,3 +324,46 @@ def test_multi_tensor_refuses_explicit_sharded_params():
   params = {"w": jax.device_put(jnp.ones((16, 2)), NamedSharding(mesh, P("x")))}
   with pytest.raises(ValueError, match="'w'.*multi_tensor=False"):
     ak.fused_adam(multi_tensor=True).init(params)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ak.fused_adam(0.05, weight_decay=0.01, backend="xla"),
+    lambda: ak.fused_adam(0.05, weight_decay=0.01),
+    lambda: ak.fused_adamax(0.05, backend="xla"),
+    lambda: ak.fused_adam(0.05, weight_decay=0.01, multi_tensor=False)],
+    ids=["fused_adam_xla", "fused_adam_auto", "fused_adamax", "fused_adam_per_leaf"])
+def test_fused_step_keeps_mixed_shardings_on_8_devices(make):
+  """tests/test_multiprocess.py's model in one process: a row-sharded table, model-parallel
+  kernels and a replicated bias on an Auto ("data", "model") mesh. The multi-tensor flat
+  buffers are sharded by XLA; no leaf takes their sharding (the bias once came back
+  P('data',)), step after step, and the numbers equal a one-device run."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  specs = {"emb": P(("data", "model"), None), "w1": P(None, "model"), "w2": P("model", None),
+           "b": P()}
+  rng = np.random.default_rng(0)
+  host = {"emb": rng.standard_normal((64, 8)), "w1": rng.standard_normal((8, 16)),
+          "w2": rng.standard_normal((16, 4)), "b": np.zeros(4)}
+  host = {k: v.astype(np.float32) for k, v in host.items()}
+  opt = make()
+  step = jax.jit(lambda p, s: opt.step(p, s, jax.tree.map(lambda x: jnp.sin(3.0 * x) + 0.1, p)))
+
+  params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+  state = opt.init(params)
+  state_shardings = None
+  for _ in range(3):
+    params, state = step(params, state)
+    for k, spec in specs.items():
+      assert params[k].sharding.is_equivalent_to(NamedSharding(mesh, spec), params[k].ndim), (
+          k, params[k].sharding)
+    now = [x.sharding for x in jax.tree.leaves(state)]
+    assert state_shardings in (None, now)
+    state_shardings = now
+
+  one = jax.device_put(host, jax.devices()[0])
+  one_state = opt.init(one)
+  for _ in range(3):
+    one, one_state = step(one, one_state)
+  for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((one, one_state))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)

@@ -318,3 +318,197 @@ def test_a_state_of_another_optimizer_is_refused():
     state = ams.init(params)
     ams.step(params, state._replace(nu_max={**state.nu_max, "conv": jnp.zeros(3)}),
              grads_like(params, 0))
+
+
+# ------------------------------------------------------------- the optax protocol
+
+
+def run_update(tx, params, steps=STEPS, jit=False):
+  update = jax.jit(tx.update) if jit else tx.update
+  state = tx.init(params)
+  for t in range(steps):
+    updates, state = update(grads_like(params, 100 + t), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+@pytest.mark.parametrize("algo,kw", CASES)
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_update_is_the_named_optimizer_bit_for_bit(algo, kw, multi_tensor):
+  """``update`` + ``optax.apply_updates`` is ak.adam's / ak.adamax's trajectory bit for bit
+  op by op (eager: both run the same arithmetic), to float32 rounding under ``jit`` (XLA
+  fuses the two programs differently), and ``step`` equals both to float32 rounding."""
+  kw = dict(kw)
+  lr = kw.pop("learning_rate", 0.1)
+  named, fused = NAMED[algo]
+  params = make_params()
+  tx = fused(lr, **kw, multi_tensor=multi_tensor)
+  assert isinstance(tx, optax.GradientTransformation)
+  expected, _ = run_update(named(lr, **kw), params)
+  got, state = run_update(tx, params)
+  for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  assert float(jnp.max(jnp.abs(got["conv"] - params["conv"]))) > 1e-2
+  assert_close(run_update(tx, params, jit=True)[0], expected)
+  stepped, step_state = run_fused(tx, params)
+  assert_close(stepped, got)
+  assert_close(step_state, state, atol=1e-6)  # one state type for both forms
+  assert jax.tree.structure(step_state) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False])
+@pytest.mark.parametrize("lazy", [True, False])
+def test_update_with_row_sparse_leaves_is_sparse_adam(lazy, multi_tensor):
+  """A RowSparse leaf (a table between dense leaves) through ``update``: the lazy update is
+  a RowSparse of the touched rows, as ak.sparse_adam's; ``ak.apply_updates`` then gives
+  sparse_adam's params bit for bit."""
+  params = {"a": jnp.linspace(-1.0, 1.0, 6), "emb": jnp.linspace(0.0, 1.0, 40).reshape(10, 4),
+            "z": jnp.ones((2, 3))}
+  tx = ak.fused_adam(0.1, weight_decay=0.01, weight_decay_mask=None, lazy=lazy,
+                     multi_tensor=multi_tensor)
+  ref = ak.sparse_adam(0.1, weight_decay=0.01, weight_decay_mask=None, lazy=lazy)
+  p, s, rp, rs = params, tx.init(params), params, ref.init(params)
+  for t in range(3):
+    g = {"a": jnp.sin(params["a"] + t), "z": jnp.cos(params["z"] + t),
+         "emb": ak.RowSparse(jnp.array([1, 7, 1]), jnp.full((3, 4), 0.5 + t), 10)}
+    u, s = tx.update(g, s, p)
+    ru, rs = ref.update(g, rs, rp)
+    assert isinstance(u["emb"], ak.RowSparse) == lazy
+    p, rp = ak.apply_updates(p, u), ak.apply_updates(rp, ru)
+  for a, e in zip(jax.tree.leaves(p), jax.tree.leaves(rp)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  untouched = np.setdiff1d(np.arange(10), [1, 7])  # zero gradient, zero moments: no move
+  np.testing.assert_array_equal(np.asarray(p["emb"][untouched]), np.asarray(params["emb"][untouched]))
+  assert float(jnp.max(jnp.abs(p["emb"][1] - params["emb"][1]))) > 0.1
+
+
+def test_update_without_params_and_its_errors():
+  params = {"w": jnp.array([1.0, -2.0])}
+  g = {"w": jnp.array([2.0, -4.0])}
+  tx = ak.fused_adam(0.1, eps_mode="corrected")
+  u, _ = tx.update(g, tx.init(params))  # no decay: the params are not needed
+  np.testing.assert_allclose(np.asarray(u["w"]), [-0.1, 0.1], rtol=1e-6)
+  with pytest.raises(ValueError, match="needs `params`"):
+    ak.fused_adam(0.1, weight_decay=0.1).update(g, tx.init(params))
+  with pytest.raises(TypeError, match="FusedAdamState"):
+    tx.update(g, ak.adam(0.1).init(params), params)
+
+
+def test_fused_transform_composes():
+  """optax.chain and a jitted update: the fused optimizer is a link (every other idiom:
+  tests/test_composition.py over the registry)."""
+  params = make_params()
+  grads = [grads_like(params, 100 + t) for t in range(2)]
+  chained = optax.chain(optax.clip_by_global_norm(1.0), ak.fused_adam(0.1))
+  ref = optax.chain(optax.clip_by_global_norm(1.0), ak.adam(0.1))
+  p, s, rp, rs = params, chained.init(params), params, ref.init(params)
+  for g in grads:
+    u, s = jax.jit(chained.update)(g, s, p)
+    ru, rs = jax.jit(ref.update)(g, rs, rp)
+    p, rp = optax.apply_updates(p, u), optax.apply_updates(rp, ru)
+  assert_close(p, rp)
+
+
+def test_nnx_optimizer_takes_the_fused_step():
+  from flax import nnx
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  ref_model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, ak.fused_adam(0.05), wrt=nnx.Param)
+  ref = nnx.Optimizer(ref_model, ak.adam(0.05), wrt=nnx.Param)
+  x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+
+  @nnx.jit
+  def train(model, opt):
+    grads = nnx.grad(lambda m: jnp.mean((m(x) - 1.0) ** 2))(model)
+    opt.update(model, grads)
+
+  for _ in range(3):
+    train(model, opt)
+    train(ref_model, ref)
+  assert_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+  assert float(jnp.max(jnp.abs(model.kernel[...] - nnx.Linear(3, 2, rngs=nnx.Rngs(0)).kernel[...]))) > 0.1
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_master_weights_of_a_fused_step(multi_tensor):
+  """Paddle multi_precision + use_multi_tensor: the wrapped fused optimizer keeps float32
+  masters through ``step`` and ``update``; both follow ak.master_weights(ak.adam)."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.bfloat16).reshape(3, 4),
+            "b": jnp.zeros(4, jnp.float32)}
+  tx = ak.master_weights(ak.fused_adam(1e-3, multi_tensor=multi_tensor))
+  assert isinstance(tx, ak.FusedStep)
+  ref = ak.master_weights(ak.adam(1e-3))
+  grads = [jax.tree.map(lambda p, t=t: jnp.cos(p.astype(jnp.float32) + t).astype(p.dtype), params)
+           for t in range(4)]
+  p, s, rp, rs, sp, ss = params, tx.init(params), params, ref.init(params), params, tx.init(params)
+  step = jax.jit(tx.step, donate_argnums=(0, 1))
+  for g in grads:
+    u, s = tx.update(g, s, p)
+    ru, rs = ref.update(g, rs, rp)
+    p, rp = optax.apply_updates(p, u), optax.apply_updates(rp, ru)
+    sp, ss = step(jax.tree.map(jnp.copy, sp), ss, g)
+  for a, e in zip(jax.tree.leaves((p, s.master)), jax.tree.leaves((rp, rs.master))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  assert_close(ss.master, s.master)
+  # the step writes the cast master (Paddle); the update path rounds the delta to bf16
+  np.testing.assert_array_equal(np.asarray(sp["w"]), np.asarray(ss.master["w"].astype(jnp.bfloat16)))
+  assert sp["w"].dtype == jnp.bfloat16 and ss.master["w"].dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(ss.master["w"] - params["w"].astype(jnp.float32)))) > 1e-3
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_state_dict_names_fused_moments_by_param(multi_tensor):
+  params = {"fc": {"weight": jnp.ones((2, 3)), "bias": jnp.zeros(3)},
+            "h": jnp.ones(2, jnp.bfloat16)}
+  opt = ak.fused_adam(0.1, multi_tensor=multi_tensor)
+  _, state = opt.step(params, opt.init(params), jax.tree.map(lambda x: x + 1, params))
+  sd = ak.state_dict(state, params)
+  assert sorted(sd) == ["fc.bias.moment1", "fc.bias.moment2", "fc.weight.moment1",
+                        "fc.weight.moment2", "h.moment1", "h.moment2", "step"]
+  assert sd["fc.weight.moment1"].shape == (2, 3) and sd["h.moment2"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(sd["fc.weight.moment1"], 0.2, rtol=1e-6)  # (1 - b1) * g
+  np.testing.assert_allclose(sd["fc.bias.moment1"], 0.1, rtol=1e-6)
+  back = ak.load_state_dict(sd, opt.init(params))
+  assert jax.tree.structure(back) == jax.tree.structure(state)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", ["state", "compute"])
+@pytest.mark.parametrize("make", [lambda: ak.fused_adam(0.1, amsgrad=True),
+                                  lambda: ak.fused_adamw(0.1, weight_decay_mask=None)],
+                         ids=["adam_amsgrad", "adamw"])
+def test_an_offloaded_fused_step_has_the_optax_form(make, mode):
+  """``ak.offload`` of a fused step offloads its ``update`` too: the state stays in host
+  memory and ``update`` + ``apply_updates`` agrees with ``step``."""
+  opt = ak.offload(make(), mode=mode)
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3), "b": jnp.arange(3.0)}
+  p_upd, p_step = params, params
+  s_upd, s_step = opt.init(params), opt.init(params)
+  update, step = jax.jit(opt.update), jax.jit(opt.step)
+  for t in range(2):
+    g = grads_like(params, t)
+    u, s_upd = update(g, s_upd, p_upd)
+    p_upd = optax.apply_updates(p_upd, u)
+    p_step, s_step = step(p_step, s_step, g)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(s_upd) if x.ndim} == {"pinned_host"}
+  for a, b in zip(jax.tree.leaves((p_upd, s_upd)), jax.tree.leaves((p_step, s_step))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_amsgrad_state_dict_names_the_running_maximum(multi_tensor):
+  """``FusedAmsgradState``'s ``nu_max`` is ``<param>.moment2_max``, as for
+  ``ScaleByAmsgradState``, in both layouts; ``load_state_dict`` writes it back."""
+  opt = ak.fused_adamw(0.1, amsgrad=True, multi_tensor=multi_tensor)
+  params = {"fc": {"weight": jnp.ones((2, 3))}, "b": jnp.ones(3)}
+  grads = {"fc": {"weight": jnp.full((2, 3), 2.0)}, "b": jnp.ones(3)}
+  _, state = opt.step(params, opt.init(params), grads)
+  sd = ak.state_dict(state)
+  assert sorted(sd) == sorted(f"{p}.{m}" for p in ("b", "fc.weight")
+                              for m in ("moment1", "moment2", "moment2_max")) + ["step"]
+  np.testing.assert_allclose(sd["fc.weight.moment2_max"], (1 - np.float32(0.999)) * 4.0,
+                             rtol=1e-6)  # (1 - b2) g^2, b2 in float32
+  back = ak.load_state_dict(sd, opt.init(params))
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -280,12 +280,45 @@ def test_import_keeps_the_state_sharding(make):
   assert jax.tree.leaves(updates)[0].shape == params["w"].shape
 
 
-def test_fused_state_is_refused_clearly():
-  # A FusedStep's multi-tensor moments are flat per-dtype buffers, not per-parameter trees.
-  ckpt = {"moment1.w": np.zeros((2, 3), np.float32), "moment2.w": np.zeros((2, 3), np.float32),
-          "beta1_power": np.array([0.9 ** 5], np.float32)}
-  with pytest.raises(ValueError, match="no Adam or AdaMax moments"):
-    ak.from_mindspore_state(ckpt, {"w": jnp.ones((2, 3))}, ak.fused_adam(1e-3))
+@pytest.mark.parametrize("multi_tensor", [True, False])
+@pytest.mark.parametrize("framework", ["paddle", "mindspore"])
+def test_fused_states_are_filled(framework, multi_tensor):
+  """Per-leaf and multi-tensor fused states take a framework's moments by parameter name
+  and continue exactly as ak.adam filled from the same dict (the optax form, bit for bit)."""
+  rng = np.random.default_rng(3)
+  params = {"w": jnp.asarray(rng.standard_normal((2, 3)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(3), jnp.float32)}
+  m = {k: rng.standard_normal(np.shape(v)).astype(np.float32) for k, v in params.items()}
+  v = {k: rng.random(np.shape(x)).astype(np.float32) for k, x in params.items()}
+  if framework == "paddle":
+    d = {**{f"{k}_moment1_0": x for k, x in m.items()}, **{f"{k}_moment2_0": x for k, x in v.items()},
+         "w_beta1_pow_acc_0": np.array([0.9 ** 5], np.float32)}
+    load, t = ak.from_paddle_state, 4
+  else:
+    d = {**{f"moment1.{k}": x for k, x in m.items()}, **{f"moment2.{k}": x for k, x in v.items()},
+         "beta1_power": np.array([0.9 ** 5], np.float32)}
+    load, t = ak.from_mindspore_state, 5
+  opt = ak.fused_adam(1e-2, multi_tensor=multi_tensor)
+  state = load(d, params, opt)
+  sd = ak.state_dict(state)
+  assert int(sd["step"]) == t
+  for k in params:
+    np.testing.assert_array_equal(sd[f"{k}.moment1"], m[k])
+    np.testing.assert_array_equal(sd[f"{k}.moment2"], v[k])
+  ref_tx = ak.adam(1e-2)
+  ref_state = load(d, params, ref_tx)
+  g = jax.tree.map(jnp.cos, params)
+  u, _ = opt.update(g, state, params)
+  ref_u, _ = ref_tx.update(g, ref_state, params)
+  chex.assert_trees_all_equal(u, ref_u)
+
+
+def test_fused_state_missing_moments_is_an_error():
+  with pytest.raises(KeyError, match="'b' \\(moment1\\)|b \\(moment1\\)"):
+    ak.from_mindspore_state({"moment1.w": np.zeros(2, np.float32),
+                             "moment2.w": np.zeros(2, np.float32),
+                             "beta1_power": np.array([0.9], np.float32)},
+                            {"w": jnp.ones(2), "b": jnp.ones(2)}, ak.fused_adam(1e-3))
 
 
 def _amsgrad_nodes(state):

@@ -24,8 +24,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "multiprocess_worker.py"
 EXAMPLE = HERE.parent / "examples" / "two_process.py"
 DEADLINE_S = 420  # the whole job: about 2.5 minutes on 2 busy cores
-RESHARDS = ("across processes the fused step hands back a small leaf with another sharding "
-            "(e.g. P('model',) for a replicated bias); values are right")
 
 
 def _free_port() -> int:
@@ -75,7 +73,8 @@ def _cases():
   sys.path.insert(0, str(HERE))
   from registry import REGISTRY
   own = ["sparse_adam_lazy", "sparse_adam_not_lazy", "fused_adam_xla", "fused_adam_auto",
-         "fused_adamax", "offload_state", "offload_compute", "master_weights", "routed_rows"]
+         "fused_adamax", "fused_adam_update", "offload_state", "offload_compute",
+         "master_weights", "routed_rows"]
   return [f"registry:{n}" for n in REGISTRY] + own
 
 
@@ -91,14 +90,7 @@ def test_trains_like_one_device(results, case):
   _outcome(results, case, "values")
 
 
-# Known: across processes the fused step returns some small leaves with another sharding
-# than they came with (values right). Being fixed; the mark goes with the fix.
-_RESHARDING = {"fused_adam_xla", "fused_adam_auto", "fused_adamax"}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=RESHARDS)) if c in _RESHARDING
-    else c for c in _cases()])
+@pytest.mark.parametrize("case", _cases())
 def test_params_keep_their_shardings(results, case):
   _outcome(results, case, "shardings")
 
