@@ -41,7 +41,6 @@ def kernel(tmp_path_factory):
   """Makes adamkit's compiled CPU kernel available, building it into a temp dir if the
   install did not (tests that need it skip where no C++ compiler is found)."""
   import adamkit as ak
-  from adamkit import _kernels
   if ak.cpu_kernel_available():
     yield
     return
@@ -51,8 +50,7 @@ def kernel(tmp_path_factory):
   except RuntimeError as e:
     pytest.skip(f"cannot build the CPU kernel here: {e}")
   mp = pytest.MonkeyPatch()
-  mp.setenv("ADAMKIT_CPU_KERNEL", str(out))
-  _kernels._registered = None
+  mp.setenv("ADAMKIT_CPU_KERNEL", str(out))  # the loader caches by path: looked up afresh
   assert ak.cpu_kernel_available()
   yield
   mp.undo()
