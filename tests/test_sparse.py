@@ -651,6 +651,27 @@ def test_backend_argument_is_checked():
 # ------------------------------------------------- the fused step with row-sparse leaves
 
 
+def _fused_and_named(opt, tx, params, rng, n, d, *, unique=False):
+  """Three steps of a fused step and of its named transform + ak.apply_updates on the same
+  random RowSparse tables ('emb', 'gamma': 20 ids each, distinct when ``unique``) and a
+  dense leaf 'w'. Returns ``(fused params, fused state, named params, named state,
+  touched row ids, the lowered text of the fused step)``."""
+  step = jax.jit(opt.step)
+  fp, fs = params, opt.init(params)
+  rp, rs = params, tx.init(params)
+  touched = set()
+  for _ in range(3):
+    ids = (rng.permutation(n)[:20] if unique else rng.integers(0, n, size=20)).astype(np.int32)
+    touched |= set(ids.tolist())
+    grads = {"emb": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
+             "gamma": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
+             "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
+    fp, fs = step(fp, fs, grads)
+    updates, rs = tx.update(grads, rs, rp)
+    rp = ak.apply_updates(rp, updates, backend="xla")
+  return fp, fs, rp, rs, touched, step.lower(fp, fs, grads).as_text()
+
+
 @pytest.mark.parametrize("multi_tensor", [True, False])
 @pytest.mark.parametrize("lazy,nesterov,eps_mode,unique", [
     (True, False, "hat", False), (True, True, "corrected", False), (True, False, "hat", True),
@@ -670,19 +691,7 @@ def test_fused_step_with_row_sparse_leaves_equals_sparse_adam(backend, multi_ten
             unique_ids=unique)
   opt = ak.fused_adam(0.05, backend=backend, multi_tensor=multi_tensor, **kw)
   tx = ak.sparse_adam(0.05, backend="xla", **kw)
-  step = jax.jit(opt.step)
-  fp, fs = params, opt.init(params)
-  rp, rs = params, tx.init(params)
-  touched = set()
-  for _ in range(3):
-    ids = (rng.permutation(n)[:20] if unique else rng.integers(0, n, size=20)).astype(np.int32)
-    touched |= set(ids.tolist())
-    grads = {"emb": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
-             "gamma": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
-             "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
-    fp, fs = step(fp, fs, grads)
-    updates, rs = tx.update(grads, rs, rp)
-    rp = ak.apply_updates(rp, updates, backend="xla")
+  fp, fs, rp, rs, touched, text = _fused_and_named(opt, tx, params, rng, n, d, unique=unique)
   for name in params:
     np.testing.assert_allclose(np.asarray(fp[name]), np.asarray(rp[name]), rtol=1e-6,
                                atol=1e-7, err_msg=name)
@@ -692,7 +701,6 @@ def test_fused_step_with_row_sparse_leaves_equals_sparse_adam(backend, multi_ten
                                   np.asarray(params["emb"])[untouched])
     if not multi_tensor:
       np.testing.assert_array_equal(np.asarray(fs.mu["emb"])[untouched], 0)
-  text = step.lower(fp, fs, grads).as_text()
   assert ("adamkit_cpu_sparse_lazy" in text) == (backend == "kernel" and lazy)
 
 
@@ -999,19 +1007,7 @@ def test_fused_amsgrad_and_adamw_row_sparse_leaves_equal_the_transform(
             "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
   opt = getattr(ak, fused)(0.05, backend=backend, multi_tensor=multi_tensor, lazy=lazy, **kw)
   tx = getattr(ak, named)(0.05, backend="xla", lazy=lazy, **kw)
-  step = jax.jit(opt.step)
-  fp, fs = params, opt.init(params)
-  rp, rs = params, tx.init(params)
-  touched = set()
-  for _ in range(3):
-    ids = rng.integers(0, n, size=20).astype(np.int32)
-    touched |= set(ids.tolist())
-    grads = {"emb": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
-             "gamma": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
-             "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
-    fp, fs = step(fp, fs, grads)
-    updates, rs = tx.update(grads, rs, rp)
-    rp = ak.apply_updates(rp, updates, backend="xla")
+  fp, fs, rp, rs, touched, text = _fused_and_named(opt, tx, params, rng, n, d)
   tol = dict(rtol=1e-5, atol=1e-6) if "bias_correction" in kw else dict(rtol=1e-6, atol=1e-7)
   for name in params:
     np.testing.assert_allclose(np.asarray(fp[name]), np.asarray(rp[name]), err_msg=name, **tol)
@@ -1021,5 +1017,4 @@ def test_fused_amsgrad_and_adamw_row_sparse_leaves_equal_the_transform(
                                   np.asarray(params["emb"])[untouched])
     if not multi_tensor and kw.get("amsgrad"):
       np.testing.assert_array_equal(np.asarray(fs.nu_max["emb"])[untouched], 0)
-  text = step.lower(fp, fs, grads).as_text()
   assert ("adamkit_cpu_sparse_lazy" in text) == (backend == "kernel" and lazy)

@@ -37,13 +37,8 @@ def compile_command(source: str | os.PathLike, output: str | os.PathLike, includ
 
 def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str | None = None,
                      verbose: bool = False, sanitize: bool = False) -> pathlib.Path:
-  """Compiles adamkit's CPU kernels (``adamkit/_cpu/adam_kernels.cc``: the one-pass dense
-  step, the lazy sparse step and the row add) with the system's C++ compiler against the
-  XLA FFI headers that ship with jaxlib.
-
-  ``pip install`` does this when a compiler is found; otherwise run it once (``python -m
-  adamkit._kernels``). Until then ``ak.fused_adam``, ``ak.sparse_adam`` and
-  ``ak.apply_updates`` use their pure-JAX paths.
+  """The compiler run behind :func:`adamkit.build_cpu_kernel` (see it for what is built
+  and when), plus ``sanitize`` for the sanitizer test.
 
   Args:
     output: where to write the library (default: where it is looked for, see
