@@ -50,7 +50,13 @@ from adamkit._links import (
 )
 
 # Offload: optimizer state in host memory.
-from adamkit._offload import adam_offload, offload, offload_shardings, offload_state
+from adamkit._offload import (
+    UncommittedParamsWarning,
+    adam_offload,
+    offload,
+    offload_shardings,
+    offload_state,
+)
 from adamkit._precision import MasterWeightsState, inject_hyperparams, master_weights
 from adamkit._schedules import as_schedule
 
@@ -87,7 +93,7 @@ __all__ = [
     "sparse_adam", "scale_by_sparse_adam", "ScaleBySparseAdamState", "apply_updates",
     "check_row_ids", "fused_sparse_adam", "fused_sparse_lazy_adam", "multi_steps",
     # offload
-    "offload", "adam_offload", "offload_shardings", "offload_state",
+    "offload", "adam_offload", "offload_shardings", "offload_state", "UncommittedParamsWarning",
     # speed and precision
     "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "FlatMoments", "build_cpu_kernel",
     "cpu_kernel_available", "master_weights", "MasterWeightsState", "inject_hyperparams",

@@ -71,7 +71,11 @@ def _id_dtype(num_rows: int):
 
 def _no_rows(num_rows: int, size: int, row_shape: tuple, dtype) -> RowSparse:
   """``size`` slots that address no row (the id ``num_rows``, which adamkit drops) and hold
-  zeros: an empty accumulator, or an update that moves nothing."""
+  zeros: an empty accumulator, or an update that moves nothing.
+
+  The ids are plain integers, as in the accumulator state (an optimizer state holds no
+  ``key<adamkit.RowSparse.indices>`` leaf, so orbax saves it); a gradient or update handed
+  on is rebuilt with :meth:`RowSparse.of`."""
   ids = jnp.full((size,), num_rows, _id_dtype(num_rows))
   return RowSparse.tree_unflatten(num_rows, (ids, jnp.zeros((size, *row_shape), dtype)))
 
@@ -80,7 +84,8 @@ def _zeros_like_update(shapes: Any) -> Any:
   """Zeros shaped like an ``eval_shape`` of updates; a RowSparse update moves no row."""
   def zero(s):
     if isinstance(s, RowSparse):
-      return _no_rows(s.num_rows, s.indices.shape[0], s.values.shape[1:], s.values.dtype)
+      r = _no_rows(s.num_rows, s.indices.shape[0], s.values.shape[1:], s.values.dtype)
+      return RowSparse.of(r.indices, r.values, r.num_rows)
     return jnp.zeros(s.shape, s.dtype)
 
   return jax.tree.map(zero, shapes, is_leaf=is_row_sparse)
@@ -259,7 +264,7 @@ def multi_steps(tx: optax.GradientTransformation,
     """The gradient handed to ``tx``: the mean (or sum) in the gradient's dtype."""
     if isinstance(acc, RowSparse):
       values = acc.values / k.astype(acc.dtype) if use_grad_mean else acc.values
-      return acc.with_values(values.astype(g.dtype))
+      return RowSparse.of(acc.indices, values.astype(g.dtype), acc.num_rows)
     return acc.astype(jnp.asarray(g).dtype)
 
   def reset(acc):

@@ -376,7 +376,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
         ids, rows, moments = _ops.lazy_row_update(hyper, leaf.p, leaf.g, moments, at=at,
                                                   merge=not unique_ids, decay=leaf.decay,
                                                   backend=backend)
-        u = RowSparse.tree_unflatten(leaf.g.num_rows, (ids, rows))
+        u = RowSparse.of(ids, rows, leaf.g.num_rows)
       else:
         (u,), moments = _ops.dense_update(
             hyper, [leaf.p], [leaf.g], moments,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -334,7 +335,7 @@ def _update_touched_rows(inner, updates, state, params, extra):
     slot = slot.reshape(-1).astype(g.indices.dtype)
     slot = jnp.where(ids[slot] < n, slot, k)
     tables[tuple(path)] = (ids, n, g.values.shape[1:])
-    reduced_g.append(RowSparse.tree_unflatten(k, (slot, g.values)))
+    reduced_g.append(RowSparse.of(slot, g.values, k))
   reduced_updates = g_def.unflatten(reduced_g)
 
   reduced_params = params
@@ -372,7 +373,7 @@ def _update_touched_rows(inner, updates, state, params, extra):
       return None  # a dense answer: every row of the table moves
     ids, n, _ = t
     global_ids = ids.at[leaf.indices].get(mode="fill", fill_value=n)
-    out_u.append(RowSparse.tree_unflatten(n, (global_ids, leaf.values)))
+    out_u.append(RowSparse.of(global_ids, leaf.values, n))
   out_u = jax.tree.structure(u, is_leaf=is_row_sparse).unflatten(out_u)
 
   new_flat = s_def.flatten_up_to(new_state)
@@ -386,11 +387,37 @@ def _update_touched_rows(inner, updates, state, params, extra):
 # --------------------------------------------------------------------- the wrapper
 
 
+class UncommittedParamsWarning(UserWarning):
+  """``ak.offload(...).init`` got uncommitted params: a jitted step compiles twice."""
+
+
+def _warn_if_uncommitted(params) -> None:
+  """Warns (once per call site) when a param is an uncommitted ``jax.Array``.
+
+  JAX caches a jitted step by its arguments' committedness. An offloaded state lives in
+  host memory, which only a committed array can, so the step's outputs are committed: fed
+  uncommitted params (fresh from ``jnp`` or ``jax.random``), step 1 compiles for them and
+  step 2 compiles again for the committed params step 1 returned. No transform can commit
+  the caller's arrays; committing them first gives one compilation.
+  """
+  loose = [leaf for leaf in jax.tree.leaves(params)
+           if isinstance(leaf, jax.Array) and not leaf.committed]
+  if loose:
+    warnings.warn(
+        "ak.offload: the params are uncommitted (fresh from jnp or jax.random); the "
+        "offloaded state is committed to host memory, so a jitted step returns committed "
+        "params and compiles a second time on its second call. Commit the params once, "
+        "before init: params = jax.device_put(params, jax.devices()[0]) (or a "
+        "NamedSharding).", UncommittedParamsWarning, stacklevel=3)
+
+
 def _host_init(init, mode: str, memory_kind: str):
   """``init`` whose state is placed in ``memory_kind``, laid out like the params."""
   def init_fn(params):
     devices = _concrete_devices(params)
     check_support(mode, memory_kind, devices)
+    if devices is not None:
+      _warn_if_uncommitted(params)
     state = init(params)
     if devices is None:  # traced init: keep the layout the compiler picks, in host memory
       return _to_host(state)
@@ -437,7 +464,7 @@ def _offload_fused(opt: FusedStep, mode: str, memory_kind: str) -> FusedStep:
                            mode=mode, memory_kind=memory_kind).update)
 
 
-def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "compute",
+def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state",
             memory_kind: str = "pinned_host"
             ) -> optax.GradientTransformationExtraArgs | FusedStep:
   r"""Keeps ``tx``'s state in host memory; the parameters stay in device memory.
@@ -494,7 +521,12 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "comput
   Args:
     tx: any ``optax.GradientTransformation`` (adamkit or optax), or a
       :class:`adamkit.FusedStep`.
-    mode: ``"compute"`` (MindSpore ``AdamOffload``) or ``"state"``.
+    mode: ``"state"`` (the default, since 0.2: it runs every transform, row-sparse
+      gradients included) or ``"compute"`` (MindSpore ``AdamOffload``, the default of
+      :func:`adamkit.adam_offload`: a quarter of the traffic, but JAX 0.10 cannot trace
+      some transforms on host-resident arrays: ``optax.clip_by_global_norm``,
+      ``optax.apply_if_finite``, ``optax.adafactor``, ``ak.sparse_adam``; those raise at
+      trace time naming ``mode="state"``).
     memory_kind: the host memory kind for the state: ``"pinned_host"``.
 
   Returns:
@@ -508,6 +540,13 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "comput
       host (``"state"`` can); at ``update`` (``"compute"``) for a transform JAX cannot
       trace on host-resident arrays (global-norm clipping, ``apply_if_finite``, row-sparse
       gradients), naming ``mode="state"``, which handles them.
+
+  Warns:
+    UncommittedParamsWarning: at ``init`` when a param is an uncommitted ``jax.Array``
+      (fresh from ``jnp`` or ``jax.random``). The state is committed to host memory, so a
+      jitted step returns committed params and would compile a second time on its second
+      call; ``jax.device_put(params, jax.devices()[0])`` (or a ``NamedSharding``) before
+      ``init`` gives one compilation.
 
   .. warning::
     Buffer donation: without ``in_shardings`` *and* ``out_shardings``, JAX (0.10) pairs
@@ -527,7 +566,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "comput
   Examples:
     >>> import jax, jax.numpy as jnp, optax, adamkit as ak
     >>> tx = ak.offload(ak.adam(0.1))
-    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> params = jax.device_put({"w": jnp.array([1.0, -2.0])}, jax.devices()[0])
     >>> state = tx.init(params)
     >>> @jax.jit
     ... def step(params, state):
@@ -543,7 +582,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "comput
     The fused step, offloaded (jit it with ``donate_argnums=(0, 1)``):
 
     >>> opt = ak.offload(ak.fused_adam(0.1))
-    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> params = jax.device_put({"w": jnp.array([1.0, -2.0])}, jax.devices()[0])
     >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
     >>> params, state = step(params, opt.init(params), {"w": jnp.array([2.0, -4.0])})
     >>> params["w"].round(4), params["w"].sharding.memory_kind

@@ -98,8 +98,8 @@ def lazy_rows(g: RowSparse, m: jax.Array, v: jax.Array, layout: RowLayout, *, me
   rows it owns. Returns ``(ids, u_rows, m, v)``: sorted ids (padding ``num_rows``) and
   their updates, replicated; ``m, v`` keep their sharding."""
   # Every device sees every id: a batch sharded over the mesh is all-gathered here.
-  g = RowSparse.tree_unflatten(g.num_rows, (_replicated(g.indices, layout),
-                                            _replicated(g.values, layout)))
+  g = RowSparse.of(_replicated(g.indices, layout), _replicated(g.values, layout),
+                   g.num_rows)
   ids, values = _sorted_rows(g, merge)
   k = ids.shape[0]
   dt = compute_dtype(values)

@@ -85,7 +85,7 @@ def _fused_args(var, m, v, gradient, indices):
       raise ValueError(f"`{name}` must have the shape of `var` {var.shape}, got {x.shape}.")
   ids, values = check_row_args(indices, gradient, var.shape[0], values_name="gradient",
                                row_shape=var.shape[1:], table_name="`var`")
-  return var, m, v, RowSparse.tree_unflatten(var.shape[0], (ids, values))
+  return var, m, v, RowSparse.of(ids, values, var.shape[0])
 
 
 def _fused_hyper(beta1_power, beta2_power, lr, beta1, beta2, epsilon):
@@ -305,7 +305,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
       if isinstance(g, RowSparse) and lazy:
         ids, u, news = _ops.lazy_rows(h, g, olds, table_shape=olds[0].shape,
                                       merge=not unique_ids, backend=backend)
-        return RowSparse.tree_unflatten(g.num_rows, (ids, u.astype(g.dtype))), *news
+        return RowSparse.of(ids, u.astype(g.dtype), g.num_rows), *news
       if isinstance(g, RowSparse):
         g = g.todense(like=olds[0])
       dt = compute_dtype(g)

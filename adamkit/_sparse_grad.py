@@ -158,7 +158,7 @@ def value_and_sparse_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> 
     out = []
     for name, g in zip(names, treedef.flatten_up_to(grads)):
       if name in flat_ids:
-        g = RowSparse.tree_unflatten(g.num_rows, (flat_ids[name], g.rows))
+        g = RowSparse.of(flat_ids[name], g.rows, g.num_rows)
       out.append(g)
     return value, treedef.unflatten(out)
 

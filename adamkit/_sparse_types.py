@@ -7,11 +7,13 @@ import cycle.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -95,6 +97,77 @@ def safe_ids(indices: jax.Array, num_rows: int) -> jax.Array:
   return jnp.where(valid, indices, jnp.asarray(num_rows, indices.dtype))
 
 
+# ------------------------------------------------------------- the protected id leaf
+#
+# A RowSparse's ids must be a pytree leaf (they cross jit), so every jax.tree.map and optax
+# transform visits them. Held as plain integers they would silently follow arithmetic
+# meant for the values (``x * 3`` moves id 2 to row 6, ``g1 + g2`` adds ids). They are
+# therefore held in an extended dtype, ``key<adamkit.RowSparse.indices -- ...>``, built with
+# JAX's public PRNG-implementation API: JAX refuses every arithmetic, comparison and cast on
+# it (``multiply does not accept dtypes key<adamkit.RowSparse.indices -- ...>, int32``) while
+# reshaping, slicing, concatenation, ``where``, ``zeros_like``, ``isnan`` and
+# ``isfinite`` work (so ``optax.zero_nans`` and ``optax.apply_if_finite`` pass the ids
+# through), and jit, vmap, scan, device_put and shardings carry it. The integers are its
+# key data (one uint32 word per 32-bit id, two per 64-bit id), bit-cast; no copy under jit.
+
+# The dtype's name is what JAX prints when it refuses an operation, so it says what to do.
+_ID_TAG = ("adamkit.RowSparse.indices -- transform the values instead: "
+           "ak.sparse_adam(grad_clip=, loss_scale=), ak.multi_steps, RowSparse.with_values")
+
+
+def _not_a_key(*args, **kwargs):
+  raise TypeError("An adamkit.RowSparse.indices array holds row ids, not a random key: "
+                  "read RowSparse.indices for the integers.")
+
+
+@functools.cache
+def _id_impl(words: int):
+  impl = jax.extend.random.define_prng_impl(
+      key_shape=(words,), seed=_not_a_key, split=_not_a_key, random_bits=_not_a_key,
+      fold_in=_not_a_key, name=f"adamkit_row_ids_{32 * words}", tag=_ID_TAG)
+  dtype = jax.random.wrap_key_data(np.zeros((0, words), np.uint32), impl=impl).dtype
+  return impl, dtype
+
+
+def _id_words(dtype) -> int | None:
+  """1 or 2 if ``dtype`` is adamkit's 32- or 64-bit id dtype, else ``None``."""
+  if not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return None
+  for words in (1, 2):
+    if dtype == _id_impl(words)[1]:
+      return words
+  return None
+
+
+def wrap_ids(ids: Any) -> jax.Array:
+  """Integer row ids as the protected ``key<adamkit.RowSparse.indices>`` leaf."""
+  if _id_words(getattr(ids, "dtype", np.int32)) is not None:
+    return ids
+  ids = jnp.asarray(ids)
+  if ids.dtype.itemsize < 4:
+    ids = ids.astype(jnp.int32)
+  words = ids.dtype.itemsize // 4
+  bits = jax.lax.bitcast_convert_type(ids, jnp.uint32)
+  if words == 1:
+    bits = bits[..., None]
+  return jax.random.wrap_key_data(bits, impl=_id_impl(words)[0])
+
+
+def unwrap_ids(leaf: Any) -> Any:
+  """The integers of a protected id leaf (int32, or int64 for 64-bit ids); any other leaf
+  (plain integer ids, a placeholder JAX passed through the pytree protocol) unchanged."""
+  words = _id_words(getattr(leaf, "dtype", np.int32))
+  if words is None:
+    return leaf
+  dtype = jnp.int32 if words == 1 else jnp.int64
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
+  bits = jax.random.key_data(leaf)
+  if words == 1:
+    bits = bits[..., 0]
+  return jax.lax.bitcast_convert_type(bits, dtype)
+
+
 def _explicit_sharding(x: Any):
   """``x``'s sharding when it lives on a mesh with Explicit axes, else ``None``.
 
@@ -142,21 +215,28 @@ class RowSparse:
   duplicate ids are allowed and add up (MindSpore ``RowTensor``, TensorFlow
   ``IndexedSlices``, a coalesced or uncoalesced ``torch.sparse_coo`` with one sparse dim).
 
-  A pytree whose children are ``indices`` and ``values``; ``num_rows`` is static. adamkit's
+  A pytree whose children are the ids and ``values``; ``num_rows`` is static. adamkit's
   links treat a ``RowSparse`` as one leaf standing for the whole table.
 
-  .. warning::
-    The ids are a pytree leaf (they must cross ``jit``), so ``jax.tree.map`` and optax's
-    gradient transforms see them. An optax transform that turns them into floats
-    (``optax.scale``, ``optax.clip``) is refused by adamkit's sparse optimizers while
-    tracing, and ``optax.clip_by_global_norm`` fails inside optax; ``optax.zero_nans`` and
-    ``optax.apply_if_finite`` leave them intact and work. Integer arithmetic over the whole
-    tree cannot be detected: ``jax.tree.map(lambda x: x * 3, g)`` multiplies the ids too,
-    and ``jax.tree.map(jnp.add, g1, g2)`` adds them. Change the values with
-    :meth:`with_values`, and concatenate two gradients' ids and values to add them.
-    ``optax.MultiSteps`` cannot accumulate a ``RowSparse`` (its accumulator is a dense
-    table; JAX refuses the pair with a pytree structure error): use
-    :func:`adamkit.multi_steps`, which keeps the micro-steps' ids and rows.
+  .. note::
+    The ids must be a pytree leaf (they cross ``jit``), so ``jax.tree.map`` and optax's
+    gradient transforms visit them. So that no such map can move a gradient to other rows,
+    the leaf is not an integer array but a JAX extended dtype,
+    ``key<adamkit.RowSparse.indices -- ...>``, on which JAX refuses every arithmetic
+    operation and cast with a ``TypeError`` (at trace time): ``jax.tree.map(lambda x: x * 3,
+    g)``, ``jax.tree.map(jnp.add, g1, g2)``, ``optax.scale``, ``optax.clip`` and
+    ``optax.clip_by_global_norm`` before a sparse optimizer all raise, and the dtype's name
+    in the message says what to use instead. Operations that keep the ids (``jit``,
+    ``vmap``, ``device_put``, shardings, ``where``, ``zeros_like``, ``isnan``) work, so
+    ``optax.zero_nans`` and ``optax.apply_if_finite`` pass a ``RowSparse`` through. Read
+    the integer ids as :attr:`indices`; change the values with :meth:`with_values`; add
+    two gradients with ``g1 + g2`` (ids and values concatenated); scale, clip, accumulate
+    and skip with ``ak.sparse_adam(loss_scale=, grad_clip=, nonfinite=)`` and
+    :func:`adamkit.multi_steps` (``optax.MultiSteps`` cannot: its accumulator is a dense
+    table, and JAX refuses the pair with a pytree structure error). Unlike MindSpore's
+    ``RowTensor.indices``, the leaf is not an integer tensor; :attr:`indices` is. Optimizer
+    states that keep a ``RowSparse`` (``ak.multi_steps``'s accumulator) hold
+    plain integer ids, so orbax saves them.
 
   Args:
     indices: int32/int64 row ids, shape ``(k,)``.
@@ -178,7 +258,7 @@ class RowSparse:
     Array([1., 0., 2., 0.], dtype=float32)
   """
 
-  __slots__ = ("indices", "values", "num_rows")
+  __slots__ = ("_ids", "_plain", "values", "num_rows")
 
   def __init__(self, indices: Any, values: Any, num_rows: int):
     if isinstance(indices, (list, tuple)) and any(np.ndim(i) > 0 for i in indices):
@@ -186,23 +266,43 @@ class RowSparse:
                       f"{type(indices).__name__} of arrays: concatenate them first.")
     num_rows = _check_num_rows(num_rows)
     indices, values = check_row_args(indices, values, num_rows)
-    self.indices = indices
+    self._ids, self._plain = wrap_ids(indices), indices
     self.values = values
     self.num_rows = num_rows
 
+  @classmethod
+  def of(cls, indices: jax.Array, values: jax.Array, num_rows: int) -> RowSparse:
+    """A ``RowSparse`` from integer ids and values without any check (works under jit).
+
+    The ids are wrapped in the protected leaf type (see the class docstring); for trusted
+    ids built by code, e.g. a custom lookup's gradient.
+    """
+    obj = object.__new__(cls)
+    obj._ids, obj._plain = wrap_ids(indices), indices
+    obj.values, obj.num_rows = values, num_rows
+    return obj
+
+  @property
+  def indices(self) -> jax.Array:
+    """The row ids, an int32 (int64 for tables past 2**31 rows) array of shape ``(k,)``."""
+    if self._plain is not None:
+      return self._plain
+    return unwrap_ids(self._ids)
+
   # -- pytree protocol: no validation, JAX passes placeholders through here.
   def tree_flatten(self):
-    return (self.indices, self.values), self.num_rows
+    return (self._ids, self.values), self.num_rows
 
   def tree_flatten_with_keys(self):
     # named children: a state holding a RowSparse saves 'emb.indices', not 'emb.0'
     keys = (jax.tree_util.GetAttrKey("indices"), jax.tree_util.GetAttrKey("values"))
-    return tuple(zip(keys, (self.indices, self.values))), self.num_rows
+    return tuple(zip(keys, (self._ids, self.values))), self.num_rows
 
   @classmethod
   def tree_unflatten(cls, num_rows, children):
     obj = object.__new__(cls)
-    obj.indices, obj.values = children
+    obj._ids, obj.values = children
+    obj._plain = None
     obj.num_rows = num_rows
     return obj
 
@@ -221,7 +321,9 @@ class RowSparse:
 
   def with_values(self, values: jax.Array) -> RowSparse:
     """The same ids with new values (no checks, works under jit)."""
-    return RowSparse.tree_unflatten(self.num_rows, (self.indices, values))
+    obj = RowSparse.tree_unflatten(self.num_rows, (self._ids, values))
+    obj._plain = self._plain
+    return obj
 
   def todense(self, like: jax.Array | None = None) -> jax.Array:
     """The dense ``(num_rows, *row_shape)`` array; duplicates summed, bad ids dropped.
@@ -246,7 +348,7 @@ class RowSparse:
                          f"{other.shape}.")
       ids = jnp.concatenate([self.indices, other.indices.astype(self.indices.dtype)])
       values = jnp.concatenate([self.values, other.values.astype(self.values.dtype)])
-      return RowSparse.tree_unflatten(self.num_rows, (ids, values))
+      return RowSparse.of(ids, values, self.num_rows)
     if not hasattr(other, "shape") or tuple(other.shape) != self.shape:
       return NotImplemented
     return scatter_rows(jnp.asarray(other), safe_ids(self.indices, self.num_rows), self.values,
@@ -274,7 +376,7 @@ class RowSparse:
     inverse = jnp.searchsorted(uniq, ids)
     wide = compute_dtype(self.values)
     summed = jax.ops.segment_sum(self.values.astype(wide), inverse, num_segments=k)
-    return RowSparse.tree_unflatten(self.num_rows, (uniq, summed.astype(self.values.dtype)))
+    return RowSparse.of(uniq, summed.astype(self.values.dtype), self.num_rows)
 
   def __repr__(self):
     return (f"RowSparse(num_rows={self.num_rows}, k={self.indices.shape[0]}, "

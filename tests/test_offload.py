@@ -558,6 +558,32 @@ def test_untraceable_on_host_points_to_state_mode(make_tx):
   assert kinds(s) == {HOST}
 
 
+@needs_host
+@pytest.mark.parametrize("make_tx", [
+    lambda: optax.chain(optax.clip_by_global_norm(1.0), ak.adam(0.1)),
+    lambda: optax.apply_if_finite(ak.adam(0.1), max_consecutive_errors=2),
+], ids=["optax-clip-by-global-norm", "optax-apply-if-finite"])
+def test_the_default_mode_runs_what_host_compute_cannot(make_tx):
+  """Issue 11 item 3: ``ak.offload(optax.chain(optax.clip_by_global_norm(1.0),
+  ak.adam(...)))`` failed in the default mode. The default is now ``"state"``, which
+  runs it (under jit, two steps, the numbers of the transform without offload);
+  ``"compute"`` still refuses it, naming ``mode="state"``."""
+  params = make_params()
+  tx, ref = ak.offload(make_tx()), make_tx()
+  s, r = tx.init(params), ref.init(params)
+  p, q = params, params
+  for t in range(2):
+    u, s = jax.jit(tx.update)(grads_at(p, float(t)), s, p)
+    v, r = ref.update(grads_at(q, float(t)), r, q)
+    p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+  assert kinds(s) == {HOST}
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  tx = ak.offload(make_tx(), mode="compute")
+  with pytest.raises(RuntimeError, match="Use mode='state'"):
+    tx.update(grads_at(params, 0.0), tx.init(params), params)
+
+
 def test_this_backend_supports_both_modes_or_says_why():
   for mode in MODES:
     if SUPPORTED:
