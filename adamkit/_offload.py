@@ -173,10 +173,15 @@ def _reads_params(fn, updates, state, params, extra) -> bool:
 # ---------------------------------------------------------------------- shardings
 
 
-def _replicated(sharding, memory_kind: str):
-  """A fully replicated sharding over ``sharding``'s devices, in ``memory_kind``."""
+def _replicated(sharding, memory_kind: str, ndim: int = 0):
+  """A fully replicated sharding over ``sharding``'s devices, in ``memory_kind``.
+
+  Over a mesh the spec names every axis (``P(None, ...)`` for ``ndim`` axes): that is how a
+  jitted step returns a replicated array, and ``jit`` caches ``P()`` and ``P(None)``
+  apart, so a state placed with ``P()`` would compile the step a second time.
+  """
   if isinstance(sharding, NamedSharding):
-    return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=memory_kind)
+    return NamedSharding(sharding.mesh, PartitionSpec(*[None] * ndim), memory_kind=memory_kind)
   if len(sharding.device_set) == 1:
     return SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=memory_kind)
   devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
@@ -232,7 +237,6 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
     entries.append((tuple(path), np.shape(p), s))
   if not entries:
     raise ValueError("`params` has no leaves: there is nothing to lay the state out by.")
-  fallback = _replicated(entries[0][2], memory_kind)
   scalar = _replicated(entries[0][2], "device")
 
   def place(path, leaf):
@@ -245,7 +249,9 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
       if p_shape == shape and path[len(path) - n:] == p_path and (
           best is None or n > best[0]):
         best = (n, s)
-    return fallback if best is None else best[1].with_memory_kind(memory_kind)
+    if best is None:
+      return _replicated(entries[0][2], memory_kind, len(shape))
+    return best[1].with_memory_kind(memory_kind)
 
   return jax.tree_util.tree_map_with_path(place, state)
 

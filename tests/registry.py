@@ -2,9 +2,10 @@
 
 A new optimizer or option joins ``REGISTRY`` (name -> factory(learning_rate) returning an
 ``optax.GradientTransformation``); every suite that takes the registry then covers it.
-``SPARSE`` names the entries that also take :class:`adamkit.RowSparse` gradients, and
-``REJECTED`` lists the (optimizer, idiom) pairs that raise a documented error instead of
-working, with the error's type and words: ``tests/test_composition.py`` checks both.
+``SPARSE`` names the entries that also take :class:`adamkit.RowSparse` gradients; the
+other sets name documented limits (no learning-rate record, flat multi-tensor moments) that
+the suites check instead of skipping. The (sparse gradient, optax transform) pairs that
+raise a documented error instead of working are ``REFUSED`` in ``tests/test_composition.py``.
 
 The fused steps (``ak.fused_adam``, ``ak.fused_adamax``) are ``GradientTransformation``s
 too (their ``update``; ``step`` is tested in ``tests/test_fused.py``): multi-tensor (the
@@ -68,6 +69,10 @@ REGISTRY = {
     "fused_adam_amsgrad_per_leaf": lambda lr: ak.fused_adam(lr, amsgrad=True, weight_decay=0.01,
                                                             multi_tensor=False),
     "fused_adamw_amsgrad": lambda lr: ak.fused_adamw(lr, amsgrad=True),
+    # issue 11 verification: the fused steps offloaded, in both modes
+    "offload_fused_adam_state": lambda lr: ak.offload(ak.fused_adam(lr), mode="state"),
+    "offload_fused_adamax_compute": lambda lr: ak.offload(
+        ak.fused_adamax(lr, multi_tensor=False), mode="compute"),
 }
 
 NAMES = sorted(REGISTRY)
@@ -76,11 +81,12 @@ NAMES = sorted(REGISTRY)
 # - their state keeps no learning-rate record: ak.get_lr raises a ValueError naming the
 #   missing "learning-rate link" (the rate is the schedule's at `count`);
 NO_LR_RECORD = ("fused_adam", "fused_adam_per_leaf", "fused_adamax", "master_weights_fused_adam",
-                "fused_adamw", "fused_adam_amsgrad_per_leaf", "fused_adamw_amsgrad")
+                "fused_adamw", "fused_adam_amsgrad_per_leaf", "fused_adamw_amsgrad",
+                "offload_fused_adam_state", "offload_fused_adamax_compute")
 # - multi-tensor moments are flat buffers (one per dtype), which cannot take a param's
 #   sharding: the params keep theirs, the buffers are laid out by XLA.
 FLAT_STATE = ("fused_adam", "fused_adamax", "master_weights_fused_adam", "fused_adamw",
-              "fused_adamw_amsgrad")
+              "fused_adamw_amsgrad", "offload_fused_adam_state")
 
 # The entries that take RowSparse gradients (the others refuse them with a TypeError).
 SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",
@@ -107,4 +113,7 @@ OFFLOADED = {
     "offload_adamax_state": (ak.adamax, "state"),
     "offload_sparse_adam_state": (ak.sparse_adam, "state"),
     "offload_adamw_amsgrad_state": (lambda lr: ak.adamw(lr, amsgrad=True), "state"),
+    "offload_fused_adam_state": (ak.fused_adam, "state"),
+    "offload_fused_adamax_compute": (lambda lr: ak.fused_adamax(lr, multi_tensor=False),
+                                     "compute"),
 }
