@@ -24,6 +24,7 @@ from adamkit._checkpoint import get_lr, load_state_dict, set_lr, state_dict
 # Speed and precision: the one-pass fused step, master weights, float32 hyperparameters.
 from adamkit._fused import (
     FlatMoments,
+    FusedAdamaxState,
     FusedAdamState,
     FusedAmsgradState,
     FusedStep,
@@ -95,6 +96,7 @@ __all__ = [
     # offload
     "offload", "adam_offload", "offload_shardings", "offload_state", "UncommittedParamsWarning",
     # speed and precision
-    "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "FlatMoments", "build_cpu_kernel",
-    "cpu_kernel_available", "master_weights", "MasterWeightsState", "inject_hyperparams",
+    "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "FusedAdamaxState",
+    "FlatMoments", "build_cpu_kernel", "cpu_kernel_available", "master_weights",
+    "MasterWeightsState", "inject_hyperparams",
 ]

@@ -106,6 +106,12 @@ class FusedAdamState(NamedTuple):
   nu: Any
 
 
+class FusedAdamaxState(FusedAdamState):
+  """The state of :func:`adamkit.fused_adamax`: :class:`FusedAdamState`'s fields, ``nu``
+  holding the infinity norm. A type of its own so that importers of framework state
+  (``ak.from_paddle_state``) can tell an AdaMax state from an Adam one."""
+
+
 class FusedAmsgradState(NamedTuple):
   """The state of a fused step with ``amsgrad=True``: :class:`FusedAdamState`'s, plus the
   running maximum."""
@@ -197,10 +203,10 @@ def _runs(leaves: list[_Leaf]) -> list[list[_Leaf]]:
   return runs
 
 
-def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad) -> None:
-  """The state must be this optimizer's, for these params: errors name the leaf."""
-  want = FusedAmsgradState if amsgrad else FusedAdamState
-  if not isinstance(state, want):
+def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad, want) -> None:
+  """The state must be this optimizer's (a ``want``), for these params: errors name the
+  leaf."""
+  if type(state) is not want:
     raise TypeError(f"A fused step{' with amsgrad=True' if amsgrad else ''} takes the "
                     f"{want.__name__} made by its own `init`, got a {type(state).__name__} (the "
                     "state of ak.adam, another optax chain or a fused step with other options?).")
@@ -266,6 +272,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
   kind = "adamax" if algo == "adamax" else eps_mode
+  state_cls = (FusedAmsgradState if amsgrad else
+               FusedAdamaxState if algo == "adamax" else FusedAdamState)
   mu_of = lambda p: mu_dtype or p.dtype
   nu_of = lambda p: nu_dtype or p.dtype
 
@@ -290,7 +298,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     if amsgrad:
       state = FusedAmsgradState(count=count, mu=mu, nu=nu, nu_max=jax.tree.map(jnp.copy, nu))
     else:
-      state = FusedAdamState(count=count, mu=mu, nu=nu)
+      state = state_cls(count=count, mu=mu, nu=nu)
     return place_scalars_like(state, params)
 
   def leaf_records(params, grads, wd) -> list[_Leaf]:
@@ -327,7 +335,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     mode, else the leaf's index)."""
     _validate.check_row_ids_untouched(grads)
     _validate.check_matching_trees(grads, params)
-    _check_state(state, params, leaf_names(params), multi_tensor, mu_of, nu_of, amsgrad)
+    _check_state(state, params, leaf_names(params), multi_tensor, mu_of, nu_of, amsgrad,
+                 state_cls)
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
     wd = _schedules.scalar_or_schedule(weight_decay, state.count)
     count = optax.safe_increment(state.count)
@@ -355,7 +364,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     else:
       treedef = jax.tree.structure(params)
       trees = [treedef.unflatten(list(b.values())) for b in bufs]
-    return (FusedAmsgradState if amsgrad else FusedAdamState)(count, *trees)
+    return state_cls(count, *trees)
 
   def update_fn(updates, state, params=None, **extra_args):
     """The optax protocol: ``-lr * u`` per leaf (a :class:`RowSparse` of the touched rows

@@ -29,7 +29,7 @@ import optax
 
 from adamkit._adamax import ScaleByAdamaxState
 from adamkit._checkpoint import MOMENT_FIELDS, is_moment_state
-from adamkit._fused import FlatMoments
+from adamkit._fused import FlatMoments, FusedAdamaxState
 from adamkit._links import ScaleByLearningRateState
 from adamkit._validate import path_name
 
@@ -296,7 +296,7 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
 
   def fill(node):
     if is_moment_state(node):
-      if isinstance(node, ScaleByAdamaxState) and not allow_adamax:
+      if isinstance(node, (ScaleByAdamaxState, FusedAdamaxState)) and not allow_adamax:
         raise ValueError(
             f"{framework}'s Adamax keeps eps inside its infinity norm; ak.adamax follows "
             "MindSpore, so this state would not continue the same trajectory.")

@@ -225,9 +225,16 @@ def test_import_errors():
     ak.from_mindspore_state(wrong, params, tx)
   assert int(ak.state_dict(ak.from_mindspore_state(wrong, params, tx, b1=0.8))["step"]) == 10
   assert int(ak.state_dict(ak.from_mindspore_state(good, params, tx, step=11))["step"]) == 11
-  with pytest.raises(ValueError, match="Adamax"):
-    ak.from_paddle_state({"w_moment1_0": np.ones(3), "w_moment2_0": np.ones(3)}, params,
-                         ak.adamax(0.01), step=1)
+  # Paddle's Adamax moments do not continue ak.adamax's trajectory; nor its fused step's
+  # (both layouts, and under master weights), which has a state type of its own
+  for adamax in (ak.adamax(0.01), ak.fused_adamax(0.01), ak.fused_adamax(0.01, multi_tensor=False),
+                 ak.master_weights(ak.fused_adamax(0.01))):
+    with pytest.raises(ValueError, match="Adamax"):
+      ak.from_paddle_state({"w_moment1_0": np.ones(3), "w_moment2_0": np.ones(3)}, params,
+                           adamax, step=1)
+  fused = ak.from_paddle_state({"w_moment1_0": np.ones(3), "w_moment2_0": np.ones(3)}, params,
+                               ak.fused_adam(0.01), step=1)
+  assert type(fused) is ak.FusedAdamState
   with pytest.raises(ValueError, match="no Adam"):
     ak.from_mindspore_state(good, params, optax.sgd(0.1))
 

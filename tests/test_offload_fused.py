@@ -96,7 +96,7 @@ def test_compute_mode_runs_the_kernel_on_the_host(kernel, multi_tensor):
   """On CPU the C++ kernel itself runs inside the host-compute region (not a fallback).
   Forced: with 8 devices in the process "auto" keeps traced arrays on XLA (their placement
   is unknown; tests/test_backend.py checks that rule)."""
-  opt = ak.offload(ak.fused_adam(LR, multi_tensor=multi_tensor, backend="kernel"))
+  opt = ak.offload(ak.fused_adam(LR, multi_tensor=multi_tensor, backend="kernel"), mode="compute")
   params = {"w": jnp.ones((_backend.MIN_LEAF,), jnp.float32)}
   state = opt.init(params)
   jaxpr = jax.make_jaxpr(opt.step)(params, state, params).jaxpr
