@@ -28,7 +28,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from adamkit import _adam, _compat, _masks, _validate
-from adamkit._fused import FusedStep
+from adamkit._fused import FlatMoments, FusedStep
 from adamkit._sparse_types import (
     RowSparse,
     _explicit_sharding,
@@ -323,9 +323,14 @@ def _update_touched_rows(inner, updates, state, params, extra):
 
   Valid for transforms that treat rows independently and leave untouched rows alone (lazy
   sparse Adam); returns ``None`` when ``inner`` answers a sparse gradient with a dense
-  update (``lazy=False``: every row moves), and the caller moves the whole state instead.
+  update (``lazy=False``: every row moves), or when its state holds multi-tensor moments
+  (:class:`adamkit.FlatMoments`: every param's rows back to back in one buffer, which no
+  reduced table can mirror), and the caller moves the whole state instead.
   """
   _validate.check_row_ids_untouched(updates)  # before the ids index the host gather
+  flat = lambda x: isinstance(x, FlatMoments)  # noqa: E731
+  if any(flat(x) for x in jax.tree.leaves(state, is_leaf=flat)):
+    return None
   g_flat, g_def = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)
   tables = {}  # path -> (global ids (k,), num_rows N, row shape)
   reduced_g = []

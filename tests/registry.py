@@ -93,7 +93,7 @@ SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_
           "master_weights_sparse_adam", "sparse_adam_amsgrad", "sparse_adamw",
           "sparse_adamw_amsgrad_mindspore", "fused_adam", "fused_adam_per_leaf",
           "master_weights_fused_adam", "fused_adamw", "fused_adam_amsgrad_per_leaf",
-          "fused_adamw_amsgrad")
+          "fused_adamw_amsgrad", "offload_fused_adam_state")
 
 # Their gradient accumulation: optax.MultiSteps cannot take a RowSparse (its accumulator is
 # zeros_like(params)); ak.multi_steps keeps k * n ids and rows per table instead. The same
