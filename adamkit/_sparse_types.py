@@ -223,7 +223,7 @@ class RowSparse:
     gradient transforms visit them. So that no such map can move a gradient to other rows,
     the leaf is not an integer array but a JAX extended dtype,
     ``key<adamkit.RowSparse.indices -- ...>``, on which JAX refuses every arithmetic
-    operation and cast with a ``TypeError`` (at trace time): ``jax.tree.map(lambda x: x * 3,
+    operation (``TypeError``) and cast (``ValueError``) at trace time: ``jax.tree.map(lambda x: x * 3,
     g)``, ``jax.tree.map(jnp.add, g1, g2)``, ``optax.scale``, ``optax.clip`` and
     ``optax.clip_by_global_norm`` before a sparse optimizer all raise, and the dtype's name
     in the message says what to use instead. Operations that keep the ids (``jit``,
