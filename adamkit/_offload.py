@@ -411,9 +411,8 @@ def _warn_if_uncommitted(params) -> None:
   step 2 compiles again for the committed params step 1 returned. No transform can commit
   the caller's arrays; committing them first gives one compilation.
   """
-  loose = [leaf for leaf in jax.tree.leaves(params)
-           if isinstance(leaf, jax.Array) and not leaf.committed]
-  if loose:
+  if any(isinstance(leaf, jax.Array) and not leaf.committed
+         for leaf in jax.tree.leaves(params)):
     warnings.warn(
         "ak.offload: the params are uncommitted (fresh from jnp or jax.random); the "
         "offloaded state is committed to host memory, so a jitted step returns committed "
