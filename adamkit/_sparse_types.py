@@ -223,19 +223,21 @@ class RowSparse:
     gradient transforms visit them. So that no such map can move a gradient to other rows,
     the leaf is not an integer array but a JAX extended dtype,
     ``key<adamkit.RowSparse.indices -- ...>``, on which JAX refuses every arithmetic
-    operation (``TypeError``) and cast (``ValueError``) at trace time: ``jax.tree.map(lambda x: x * 3,
-    g)``, ``jax.tree.map(jnp.add, g1, g2)``, ``optax.scale``, ``optax.clip`` and
-    ``optax.clip_by_global_norm`` before a sparse optimizer all raise, and the dtype's name
-    in the message says what to use instead. Operations that keep the ids (``jit``,
-    ``vmap``, ``device_put``, shardings, ``where``, ``zeros_like``, ``isnan``) work, so
+    operation (``TypeError``) and cast (``ValueError``) at trace time:
+    ``jax.tree.map(lambda x: x * 3, g)``, ``jax.tree.map(jnp.add, g1, g2)``,
+    ``optax.scale``, ``optax.clip`` and ``optax.clip_by_global_norm`` before a sparse
+    optimizer all raise, and the dtype's name in the message says what to use instead
+    (outside ``jit``, a global norm fails earlier, with JAX's ``NotImplementedError:
+    Cannot call abstract method real``). Operations that keep the ids (``jit``, ``vmap``,
+    ``device_put``, shardings, ``where``, ``zeros_like``, ``isnan``) work, so
     ``optax.zero_nans`` and ``optax.apply_if_finite`` pass a ``RowSparse`` through. Read
     the integer ids as :attr:`indices`; change the values with :meth:`with_values`; add
     two gradients with ``g1 + g2`` (ids and values concatenated); scale, clip, accumulate
     and skip with ``ak.sparse_adam(loss_scale=, grad_clip=, nonfinite=)`` and
     :func:`adamkit.multi_steps` (``optax.MultiSteps`` cannot: its accumulator is a dense
     table, and JAX refuses the pair with a pytree structure error). Unlike MindSpore's
-    ``RowTensor.indices``, the leaf is not an integer tensor; :attr:`indices` is. Optimizer
-    states that keep a ``RowSparse`` (``ak.multi_steps``'s accumulator) hold
+    ``RowTensor.indices``, the leaf is not an integer tensor; :attr:`indices` is.
+    Optimizer states that keep a ``RowSparse`` (``ak.multi_steps``'s accumulator) hold
     plain integer ids, so orbax saves them.
 
   Args:

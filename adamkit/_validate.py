@@ -195,18 +195,19 @@ def check_dense_grads(updates: Any, optimizer: str) -> None:
 
 def check_row_ids_untouched(updates: Any) -> None:
   """Raises a TypeError naming the first :class:`adamkit.RowSparse` leaf whose row ids are
-  no longer integers: an optax transform before the optimizer mapped over them
-  (``optax.scale``, ``optax.clip``, ``optax.clip_by_global_norm`` turn int ids into floats,
-  and a global norm that counts ids is wrong too). Checked while tracing, free at run time.
+  not integers. A ``RowSparse`` built with ``ak.RowSparse(...)`` or ``RowSparse.of`` holds
+  its ids in a dtype on which JAX refuses every map that would change them; one rebuilt by
+  hand with ``RowSparse.tree_unflatten`` from a float array is caught here, while tracing
+  (free at run time), before such ids can index a table.
   """
   flat = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)[0]
   for path, leaf in flat:
     if is_row_sparse(leaf) and not jnp.issubdtype(leaf.indices.dtype, jnp.integer):
       raise TypeError(
           f"RowSparse gradient '{path_name(path) or '<root>'}' reached the optimizer with "
-          f"{leaf.indices.dtype} row ids: a transform before it (optax.scale, optax.clip, "
-          "optax.clip_by_global_norm, jax.tree.map...) mapped over the ids as if they were "
-          "gradient values. Ask the sparse optimizer instead: "
-          "ak.sparse_adam(grad_clip=ak.ClipGradByGlobalNorm(c) | ak.ClipGradByNorm(c) | "
-          "ak.ClipGradByValue(c), loss_scale=s, nonfinite='skip'), or transform the values "
-          "with g.with_values(...).")
+          f"{leaf.indices.dtype} row ids (a RowSparse rebuilt with RowSparse.tree_unflatten "
+          "from a non-integer array?). Build it with ak.RowSparse(ids, values, num_rows) or "
+          "RowSparse.of, whose ids no tree map can change; to scale or clip, ask the sparse "
+          "optimizer: ak.sparse_adam(grad_clip=ak.ClipGradByGlobalNorm(c) | "
+          "ak.ClipGradByNorm(c) | ak.ClipGradByValue(c), loss_scale=s, nonfinite='skip'), or "
+          "transform the values with g.with_values(...).")

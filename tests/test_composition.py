@@ -355,6 +355,19 @@ def test_maps_that_keep_row_ids_work():
   np.testing.assert_array_equal(jax.eval_shape(lambda g: g, g).indices.shape, (3,))
 
 
+@pytest.mark.parametrize("name", SPARSE)
+def test_hand_rebuilt_float_row_ids_are_refused(name):
+  """The protected id dtype guards ``ak.RowSparse`` and ``RowSparse.of``; a RowSparse
+  rebuilt by hand (``tree_unflatten``) from float ids is refused while tracing, by name."""
+  params = _sparse_params()
+  tx = REGISTRY[name](LR)
+  g = _sparse_grads(0)
+  g["emb"] = ak.RowSparse.tree_unflatten(N, (g["emb"].indices.astype(jnp.float32),
+                                             g["emb"].values))
+  with pytest.raises(TypeError, match="'emb' reached the optimizer with float32 row ids"):
+    jax.jit(tx.update)(g, tx.init(params), params)
+
+
 # (optimizer-independent) the optax transforms that map over row ids, and the errors.
 REFUSED = [
     ("clip", lambda tx: optax.chain(optax.clip(1.0), tx), TypeError, "grad_clip="),

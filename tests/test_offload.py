@@ -562,7 +562,8 @@ def test_untraceable_on_host_points_to_state_mode(make_tx):
 @pytest.mark.parametrize("make_tx", [
     lambda: optax.chain(optax.clip_by_global_norm(1.0), ak.adam(0.1)),
     lambda: optax.apply_if_finite(ak.adam(0.1), max_consecutive_errors=2),
-], ids=["optax-clip-by-global-norm", "optax-apply-if-finite"])
+    lambda: optax.adafactor(0.1),
+], ids=["optax-clip-by-global-norm", "optax-apply-if-finite", "optax-adafactor"])
 def test_the_default_mode_runs_what_host_compute_cannot(make_tx):
   """Issue 11 item 3: ``ak.offload(optax.chain(optax.clip_by_global_norm(1.0),
   ak.adam(...)))`` failed in the default mode. The default is now ``"state"``, which
