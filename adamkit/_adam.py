@@ -242,7 +242,8 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     w &\leftarrow w - \alpha_t\, u_t \quad \text{(} u_t \text{ from } \mathtt{scale\_by\_adam}\text{)}
 
   The chain is ``check -> unscale -> clip -> [decay -> centralize -> scale_by_adam ->
-  -lr]``, the bracket once per parameter group.
+  -lr]``, the bracket with each parameter group's settings. The groups share one state
+  (one step counter, one moment tree over every parameter), as in MindSpore and Paddle.
 
   Args:
     learning_rate: a number >= 0, a 0-d array, a 1-D array or iterable (step ``i`` uses

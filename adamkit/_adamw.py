@@ -27,8 +27,9 @@ def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     w &\leftarrow w - \alpha_t\, u_t
 
   The chain is ``check -> unscale -> clip -> [scale_by_adam -> add_decoupled_decay ->
-  -lr]``, the bracket once per parameter group. The decay never enters the moments, and
-  the learning rate (a group's ``lr`` or ``lr_scale`` included) multiplies it.
+  -lr]``, the bracket with each parameter group's settings (one shared state). The decay
+  never enters the moments, and the learning rate (a group's ``lr`` or ``lr_scale``
+  included) multiplies it.
 
   Porting:
 

@@ -102,7 +102,8 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   Moments are named after the parameter they belong to: ``"<param>.moment1"`` (first
   moment, Paddle ``moment1`` / MindSpore ``moment1.<param>``), ``"<param>.moment2"`` and,
   with AMSGrad, ``"<param>.moment2_max"`` (Paddle ``moment2_max``, MindSpore ``vhat``);
-  the step count is ``"step"`` (``"<group>.step"`` with parameter groups). Every other
+  the step count is ``"step"`` (parameter groups share it; ``"<label>.step"`` for each
+  adamkit optimizer inside an ``optax.partition`` of several). Every other
   state leaf (schedule counters, ...) is kept under ``"state.<path>"`` so that
   :func:`load_state_dict` restores the whole state exactly.
 
@@ -263,13 +264,17 @@ def get_lr(state: Any):
     if _injected(node) is not None:
       hyper = _injected(node)
       break
-  if hyper is not None and len(found) <= 1:
+  records = [_field(n, "next_lr") for _, n in found]
+  if hyper is not None and len(found) <= 1 and not any(isinstance(r, Mapping) for r in records):
     return jnp.asarray(_unwrap(hyper["learning_rate"]), jnp.float32)
   if not found:
     raise ValueError("get_lr: this state has no adamkit learning-rate link.")
   if len(found) == 1:
-    return _unwrap(_field(found[0][1], "next_lr"))
-  return {(_group_of(p) or path_name(p)): _unwrap(_field(n, "next_lr")) for p, n in found}
+    record = records[0]
+    if isinstance(record, Mapping):  # parameter groups: {group: rate}
+      return {group: _unwrap(rate) for group, rate in record.items()}
+    return _unwrap(record)
+  return {(_group_of(p) or path_name(p)): _unwrap(r) for (p, _), r in zip(found, records)}
 
 
 def set_lr(state: Any, learning_rate: Any) -> Any:

@@ -4,11 +4,14 @@ builder every ``ak.<algo>(learning_rate, ...)`` shares.
 A named optimizer is::
 
   chain(check_inputs, unscale, clip,                          # global, over every leaf
-        partition({group: chain(decay, centralize, direction, -lr), ...}))
+        chain_on_step(decay, centralize, direction, -lr))     # per group settings
 
-Loss scale and clipping are global (Paddle's global-norm clip sees every leaf at once);
-everything after is per group. Each group's state holds only its own leaves: nothing is
-duplicated across groups.
+Loss scale and clipping are global (Paddle's global-norm clip sees every leaf at once).
+With parameter groups each link of the second chain is :func:`grouped`: every group's
+leaves go through that group's link, and the links' states are merged into one state
+shaped as without groups (one ``count``, one moment tree over every parameter, a
+``{group: rate}`` learning-rate record). That is MindSpore's and Paddle's model too: one
+optimizer with one step counter and per-parameter group settings.
 """
 
 from __future__ import annotations
@@ -130,6 +133,82 @@ def _scaled(schedule, factor):
   return lambda count: factor * schedule(count)
 
 
+# Fields of a grouped link's state that are not per-parameter trees: the step counter
+# is the optimizer's (every group's link counts the same steps), the learning-rate record
+# is one rate per group.
+_SHARED_FIELDS = ("count",)
+_PER_GROUP_FIELDS = ("next_lr",)
+
+
+def _select(labels, tree, name):
+  """``tree`` (shaped as the params) with the leaves of the other groups masked out."""
+  return jax.tree.map(lambda label, x: x if label == name else optax.MaskedNode(),
+                      labels, tree)
+
+
+def _merge(labels, trees: Mapping[str, Any]):
+  """One tree from the groups' masked trees: each leaf from the group that owns it."""
+  order = {name: i for i, name in enumerate(trees)}
+  return jax.tree.map(lambda label, *xs: xs[order[label]], labels, *trees.values())
+
+
+def _split_state(state, labels, name):
+  if not getattr(state, "_fields", ()):
+    return state
+  return type(state)(**{
+      f: (v if f in _SHARED_FIELDS else v[name] if f in _PER_GROUP_FIELDS
+          else _select(labels, v, name))
+      for f, v in zip(state._fields, state)})
+
+
+def _merge_states(labels, states: Mapping[str, Any]):
+  first = next(iter(states.values()))
+  kinds = {type(s) for s in states.values()}
+  if len(kinds) != 1:  # pragma: no cover - build_named gives every group the same links
+    raise TypeError(f"grouped: the groups' links keep different states {sorted(map(str, kinds))}.")
+  if not getattr(first, "_fields", ()):
+    return first
+  merged = {}
+  for i, f in enumerate(first._fields):
+    values = {name: s[i] for name, s in states.items()}
+    if f in _SHARED_FIELDS:
+      merged[f] = values[next(iter(values))]
+    elif f in _PER_GROUP_FIELDS:
+      merged[f] = values
+    else:
+      merged[f] = _merge(labels, values)
+  return type(first)(**merged)
+
+
+def grouped(links: Mapping[str, optax.GradientTransformation],
+            labeller: Callable[[Any], Any]) -> optax.GradientTransformationExtraArgs:
+  """``links[label]`` applied to the leaves labelled ``label``, with one merged state.
+
+  Unlike ``optax.partition`` (one state per group), the state is the links' common state
+  type over the whole parameter tree: per-parameter fields hold every group's leaves,
+  ``count`` is stored once (the groups count the same steps), ``next_lr`` becomes
+  ``{label: rate}``. Each link keeps its own state type in every group (``build_named``
+  gives the groups the same links); extra arguments such as ``count=`` reach every link.
+  """
+  links = {name: optax.with_extra_args_support(link) for name, link in links.items()}
+
+  def init_fn(params):
+    labels = labeller(params)
+    return _merge_states(labels, {name: link.init(_select(labels, params, name))
+                                  for name, link in links.items()})
+
+  def update_fn(updates, state, params=None, **extra):
+    labels = labeller(updates)
+    outs, states = {}, {}
+    for name, link in links.items():
+      outs[name], states[name] = link.update(
+          _select(labels, updates, name), _split_state(state, labels, name),
+          None if params is None else _select(labels, params, name), **extra)
+    return _merge(labels, outs), _merge_states(labels, states)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 # The direction factory is called with the resolved per-group hyperparameters; it
 # returns the ``scale_by_*`` primitive of the algorithm.
 DirectionFactory = Callable[..., optax.GradientTransformation]
@@ -160,7 +239,10 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   decay_kind, decay_value = _decay_form(weight_decay)
   base_lr = _schedules.as_schedule(learning_rate, "learning_rate")
 
-  def inner(lr, wd, mask, gc, hp):
+  def inner(lr, wd, mask, gc, hp, gc_slot=None):
+    """The links ``[decay, centralize, direction, -lr]`` (decay after the direction when
+    decoupled). ``gc_slot``: keep the centralization slot (an identity when ``gc`` is
+    off) so that every group has the same links; default: only when ``gc``."""
     with _validate.trusted():
       if decoupled:
         decay = _links.add_decoupled_decay(wd, mask)
@@ -169,14 +251,17 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
       links = [] if decoupled else [decay]
       if gc:
         links.append(_links.centralize_gradients())
+      elif gc_slot:
+        links.append(optax.identity())
       links.append(direction(**hp))
       if decoupled:
         links.append(decay)
       links.append(lr_link(lr))
-    return _links.chain_on_step(*links)
+    return links
 
   if groups is None:
-    body = inner(base_lr, decay_value, weight_decay_mask, grad_centralization, dict(hyper))
+    body = _links.chain_on_step(
+        *inner(base_lr, decay_value, weight_decay_mask, grad_centralization, dict(hyper)))
   else:
     if isinstance(groups, (Group, Mapping)) or not isinstance(groups, Sequence):
       raise TypeError("`groups` must be a list of ak.Group or dicts.")
@@ -184,8 +269,9 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
     names = [g.name for g in resolved]
     if len(set(names)) != len(names) or DEFAULT_LABEL in names:
       raise ValueError(f"Group names must be unique and not {DEFAULT_LABEL!r}: {names}.")
-    transforms = {DEFAULT_LABEL: inner(base_lr, decay_value, weight_decay_mask,
-                                       grad_centralization, dict(hyper))}
+    gc_slot = grad_centralization or any(g.grad_centralization for g in resolved)
+    per_group = {DEFAULT_LABEL: inner(base_lr, decay_value, weight_decay_mask,
+                                      grad_centralization, dict(hyper), gc_slot)}
     for i, g in enumerate(resolved):
       if g.lr is not None:
         lr = _schedules.as_schedule(g.lr, f"groups[{i}].lr")
@@ -211,8 +297,11 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
             _validate.check_beta(f"groups[{i}].{key}", value)
           hp[key] = value
       # MindSpore: inside an explicit group, decay applies to every leaf (no name rule).
-      transforms[g.name] = inner(lr, wd, None, g.grad_centralization, hp)
-    body = optax.partition(transforms, _labeller(resolved))
+      per_group[g.name] = inner(lr, wd, None, g.grad_centralization, hp, gc_slot)
+    labeller = _labeller(resolved)
+    body = _links.chain_on_step(*(
+        grouped({name: links[i] for name, links in per_group.items()}, labeller)
+        for i in range(len(per_group[DEFAULT_LABEL]))))
 
   links = [_links.check_inputs(dense_only, complex_ok=complex_ok),
            _links.scale_by_loss_scale(loss_scale)]

@@ -344,7 +344,7 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     w &\leftarrow w - \alpha_t u \quad \text{(with } \mathtt{ak.apply\_updates}\text{)}
 
   The chain is ``check -> unscale -> clip -> [decay -> scale_by_sparse_adam -> -lr]``, the
-  bracket once per parameter group. Dense leaves
+  bracket with each parameter group's settings (one shared state). Dense leaves
   get ordinary Adam. Use :func:`adamkit.apply_updates` (not ``optax.apply_updates``): in
   lazy mode the updates of sparse leaves are ``RowSparse`` row deltas that it scatters,
   in place when the params and state are donated to ``jax.jit``.

@@ -77,26 +77,49 @@ def _has_groups(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tree_get_count_is_the_one_step_counter(name):
-  """One step counter per optimizer (per parameter group with groups: the rates differ,
-  the counters are equal); the lr record is not a second ``learning_rate``."""
+  """One step counter per optimizer, parameter groups included (MindSpore and Paddle
+  keep one step for all groups); the lr record is not a second ``learning_rate``."""
   params = make_params()
   tx = REGISTRY[name](LR)
   _, state = _steps(tx, params, [make_grads(params, s) for s in range(2)])
   assert optax.tree_utils.tree_get(state, "learning_rate") is None  # as on optax.adam's state
-  counts = optax.tree_utils.tree_get_all_with_path(state, "count")
-  assert [int(c) for _, c in counts] == [2] * len(counts)
+  assert len(optax.tree_utils.tree_get_all_with_path(state, "count")) == 1
+  assert int(optax.tree_utils.tree_get(state, "count")) == 2
   if name in NO_LR_RECORD:
     with pytest.raises(ValueError, match="learning-rate link"):
       ak.get_lr(state)
     return
   lr = ak.get_lr(state)
-  if _has_groups(name):  # one direction, so one counter, per group
-    assert len(counts) == len(lr) > 1 and lr["default"] == pytest.approx(LR)
-    with pytest.raises(KeyError, match="multiple values"):
-      optax.tree_utils.tree_get(state, "count")
+  if _has_groups(name):
+    assert len(lr) > 1 and lr["default"] == pytest.approx(LR)
   else:
-    assert int(optax.tree_utils.tree_get(state, "count")) == 2
     assert float(lr) == pytest.approx(LR)
+
+
+@pytest.mark.parametrize("factory", [ak.adam, ak.adamax, ak.adamw, ak.sparse_adam])
+def test_groups_keep_the_ungrouped_state(factory):
+  """With groups the state is shaped as without: one counter, one moment tree over every
+  parameter (``tree_get(state, "mu")`` finds it whole), a ``{group: rate}`` record; each
+  leaf's moments and update are those of its own group's settings."""
+  params = make_params()
+  grads = [make_grads(params, s) for s in range(3)]
+  conv = ak.Group("conv.*", lr_scale=2.0, b1=0.5, b2=0.99, name="conv")
+  tx = factory(LR, groups=[conv])
+  p, state = _steps(tx, params, grads)
+  p_default, s_default = _steps(factory(LR), params, grads)
+  p_conv, s_conv = _steps(factory(2 * LR, b1=0.5, b2=0.99), params, grads)
+  mu = optax.tree_utils.tree_get(state, "mu")
+  assert jax.tree.structure(mu) == jax.tree.structure(params)
+  ref_mu = dict(optax.tree_utils.tree_get(s_default, "mu"),
+                conv=optax.tree_utils.tree_get(s_conv, "mu")["conv"])
+  assert_trees_close(mu, ref_mu, rtol=1e-6, atol=0)
+  assert_trees_close(p, dict(p_default, conv=p_conv["conv"]), rtol=1e-6, atol=1e-7)
+  assert int(optax.tree_utils.tree_get(state, "count")) == 3
+  assert ak.get_lr(state) == {"default": pytest.approx(LR), "conv": pytest.approx(2 * LR)}
+  # the same structure as the ungrouped state but for the per-group rate record
+  strip = lambda s: jax.tree.map(lambda x: 0, s, is_leaf=lambda x: isinstance(x, dict)  # noqa: E731
+                                 and set(x) == {"default", "conv"})
+  assert jax.tree.structure(strip(state)) == jax.tree.structure(strip(s_default))
 
 
 @pytest.mark.parametrize("inject", [optax.inject_hyperparams, ak.inject_hyperparams])
@@ -112,8 +135,7 @@ def test_tree_get_on_an_injected_state(name, inject):
   with pytest.raises(KeyError, match="multiple values"):
     optax.tree_utils.tree_get(state, "count")
   assert int(state.count) == 3
-  if not _has_groups(name):
-    assert int(optax.tree_utils.tree_get(state.inner_state, "count")) == 3
+  assert int(optax.tree_utils.tree_get(state.inner_state, "count")) == 3
 
 
 @pytest.mark.parametrize("inject", [optax.inject_hyperparams, ak.inject_hyperparams])
