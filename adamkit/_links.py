@@ -395,6 +395,8 @@ def chain_on_step(*links: optax.GradientTransformation) -> optax.GradientTransfo
   taken before this update.
   """
 
+  links = tuple(optax.with_extra_args_support(link) for link in links)
+
   def init_fn(params):
     return tuple(link.init(params) for link in links)
 
@@ -404,10 +406,7 @@ def chain_on_step(*links: optax.GradientTransformation) -> optax.GradientTransfo
       raise ValueError(f"chain_on_step needs exactly one link with a `count`, got {len(counts)}.")
     new_state = []
     for link, s in zip(links, state):
-      if isinstance(link, optax.GradientTransformationExtraArgs):
-        updates, s = link.update(updates, s, params, count=counts[0], **extra)
-      else:
-        updates, s = link.update(updates, s, params)
+      updates, s = link.update(updates, s, params, count=counts[0], **extra)
       new_state.append(s)
     return updates, tuple(new_state)
 

@@ -206,6 +206,23 @@ def test_state_dict_names_and_exact_resume():
   jax.tree.map(np.testing.assert_array_equal, p, uninterrupted)
 
 
+def test_state_dict_and_get_lr_of_a_partition_of_optimizers():
+  """Several adamkit optimizers in one ``optax.partition``: each keeps its own counter and
+  rate, named after its label (``"<label>.step"``, ``get_lr -> {label: rate}``)."""
+  params = {"fc": jnp.ones((2, 3)), "emb": jnp.ones((4, 2))}
+  tx = optax.partition({"dense": ak.adam(0.1), "table": ak.adamax([0.2, 0.3])},
+                       {"fc": "dense", "emb": "table"})
+  _, state = tx.update(params, tx.init(params), params)
+  saved = ak.state_dict(state, params)
+  assert {"dense.step", "table.step", "fc.moment1", "emb.moment2"} <= set(saved)
+  assert int(saved["dense.step"]) == int(saved["table.step"]) == 1
+  lr = ak.get_lr(state)
+  assert set(lr) == {"dense", "table"}
+  assert float(lr["dense"]) == pytest.approx(0.1) and float(lr["table"]) == pytest.approx(0.3)
+  restored = ak.load_state_dict(saved, tx.init(params))
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+
+
 def test_load_state_dict_errors():
   params = {"w": jnp.ones(2)}
   tx = ak.adam()
