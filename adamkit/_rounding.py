@@ -1,6 +1,6 @@
 """Low-precision params without a float32 master copy: stochastic rounding and Kahan updates.
 
-* :func:`stochastic_round`: float32 to bf16/fp16 (or float8), rounding up with probability
+* :func:`stochastic_round`: float32 to bf16 or fp16, rounding up with probability
   equal to the dropped fraction, with random bits from a counter-based hash of the key and
   each element's global position (the same numbers whatever the sharding).
 * :func:`param_rounding`: wraps any transform whose params may be bf16 or fp16; the wrapped
@@ -20,7 +20,7 @@ import optax
 
 from adamkit import _validate
 from adamkit._sparse_types import is_row_sparse, map_values
-from adamkit._tree import place_scalars_like, replicated_like
+from adamkit._tree import path_name, place_scalars_like
 
 METHODS = ("nearest", "stochastic", "kahan")
 
@@ -89,39 +89,53 @@ def _key_words(key: Any, name: str):
       + (f" of dtype {dtype} and shape {np.shape(key)}." if dtype is not None else "."))
 
 
+NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def _check_narrow(dtype: Any, name: str = "dtype") -> np.dtype:
   dtype = _validate.check_dtype(name, dtype, complex_ok=False)
-  if dtype is None or jnp.finfo(dtype).bits >= 32:
-    raise ValueError(f"`{name}` must be a floating-point type narrower than float32 (bfloat16, "
-                     f"float16, a float8 type), got {dtype}.")
+  if dtype not in NARROW:
+    raise ValueError(f"`{name}` must be jnp.bfloat16 or jnp.float16, got {dtype}.")
   return dtype
 
 
-def _uint_of(dtype: np.dtype):
-  return {1: jnp.uint8, 2: jnp.uint16}[dtype.itemsize]
+def round_nearest(x32: jax.Array, dtype: np.dtype) -> jax.Array:
+  """``x32`` rounded to the nearest value of ``dtype`` (ties to even), kept in float32.
+
+  Not ``x.astype(dtype).astype(float32)``: XLA may drop such a pair of converts when it
+  allows excess precision (its default on GPU), and the rounding with it; it keeps
+  ``lax.reduce_precision``. That op flushes float16's subnormals (below ``2**-14``), which
+  are multiples of ``2**-24`` rounded here with ``round`` (ties to even) instead.
+  """
+  info = jnp.finfo(dtype)
+  r = jax.lax.reduce_precision(x32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  if dtype == jnp.float16:
+    scale = np.float32(2.0**24)
+    r = jnp.where(jnp.abs(x32) < np.float32(2.0**-14), jnp.round(x32 * scale) / scale, r)
+  return r
 
 
 def _round_with_bits(x32: jax.Array, dtype: np.dtype, bits: jax.Array) -> jax.Array:
-  """Stochastic rounding of float32 ``x32`` to ``dtype`` given 32 random bits per element."""
+  """Stochastic rounding of float32 ``x32`` to ``dtype`` given 32 random bits per element;
+  the result is a float32 array of values of ``dtype``."""
   a = jnp.abs(x32)
-  y = a.astype(dtype)  # the nearest value of `dtype` to |x|, one of the two neighbours
-  y32 = y.astype(jnp.float32)
+  y32 = round_nearest(a, dtype)  # the nearest value of `dtype` to |x|: one neighbour
   # The other neighbour is one step of the bit pattern away: for a non-negative float,
   # the next representable magnitude is the next integer of its bits.
-  ybits = jax.lax.bitcast_convert_type(y, _uint_of(dtype))
-  one = np.array(1, ybits.dtype)
-  other = jax.lax.bitcast_convert_type(jnp.where(y32 > a, ybits - one, ybits + one), dtype)
-  lo = jnp.where(y32 > a, other, y)
-  hi = jnp.where(y32 > a, y, other)
-  lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
+  ybits = jax.lax.bitcast_convert_type(y32.astype(dtype), jnp.uint16)
+  one = np.uint16(1)
+  other = jax.lax.bitcast_convert_type(jnp.where(y32 > a, ybits - one, ybits + one),
+                                       dtype).astype(jnp.float32)
+  lo32 = jnp.where(y32 > a, other, y32)
+  hi32 = jnp.where(y32 > a, y32, other)
   # Both differences are exact in float32 (Sterbenz: lo <= |x| < hi <= 2 lo, or lo = 0), and
   # hi - lo is a power of two, so p is the dropped fraction exactly.
   p = (a - lo32) / (hi32 - lo32)
   u = (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)  # in [0, 1), 24 bits
-  r = jnp.where(u < p, hi, lo)
+  r = jnp.where(u < p, hi32, lo32)
   # Exact values, NaN and infinities keep the nearest value (and so does a value beyond the
   # largest finite number of `dtype`, whose upper neighbour is inf: as astype does).
-  r = jnp.where((y32 == a) | jnp.isnan(a) | jnp.isinf(hi32), y, r)
+  r = jnp.where((y32 == a) | jnp.isnan(a) | jnp.isinf(hi32), y32, r)
   return jnp.where(jnp.signbit(x32), -r, r)
 
 
@@ -153,13 +167,12 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   .. warning::
     torchao's ``bf16_stochastic_round`` adds 16 random bits to the float32 bit pattern and
     truncates (bfloat16 only, random bits from the device's generator). This rounds to any
-    narrower format (float16, float8 types) with the rule above; for bfloat16 it rounds up
+    float16 too, with the rule above; for bfloat16 it rounds up
     with the same probability, but the numbers are not torchao's.
 
   Args:
     x: a floating-point array of at most 32 bits (computed in float32).
-    dtype: a floating-point type narrower than float32: ``jnp.bfloat16``, ``jnp.float16``
-      or a float8 type.
+    dtype: ``jnp.bfloat16`` or ``jnp.float16``.
     key: a JAX key (``jax.random.key(0)``, the same draws for the same key) or a raw
       ``uint32[2]`` key (``jax.random.PRNGKey(0)``).
 
@@ -187,7 +200,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   k0, k1 = _key_words(key, "key")
   c0, c1 = _counters(np.shape(x))
   bits, _ = threefry2x32(k0, k1, c0, c1)
-  return _round_with_bits(jnp.asarray(x).astype(jnp.float32), dtype, bits)
+  return _round_with_bits(jnp.asarray(x).astype(jnp.float32), dtype, bits).astype(dtype)
 
 
 # ------------------------------------------------------------------ the wrapper
@@ -199,7 +212,9 @@ class NearestRoundingState(NamedTuple):
 
 class StochasticRoundingState(NamedTuple):
   step: jax.Array  # int32 scalar: updates made (saturating); selects the step's random bits
-  key: jax.Array  # uint32[2]: the raw key the random bits come from (fixed)
+  # the raw threefry key the random bits come from (fixed): jax.random.key_data's two
+  # words, as two uint32 scalars (0-d, so they are placed and compiled for as the step is)
+  key: tuple[jax.Array, jax.Array]
   inner: optax.OptState  # the wrapped transform's state, built on the float32 view of params
 
 
@@ -340,16 +355,17 @@ def param_rounding(tx: optax.GradientTransformation, method: str, *,
 
   def init_fn(params):
     _validate.check_float_params(params)
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+      if _is_low(p) and jnp.dtype(p.dtype) not in NARROW:
+        raise TypeError(f"param_rounding rounds bfloat16 and float16 params; params leaf "
+                        f"'{path_name(path) or '<root>'}' has dtype {p.dtype}.")
     inner_state = inner.init(view32(params))
     if method == "nearest":
       return NearestRoundingState(inner=inner_state)
     if method == "kahan":
       comp = jax.tree.map(lambda p: jnp.zeros_like(p) if _is_low(p) else None, params)
       return KahanState(compensation=comp, inner=inner_state)
-    sharding = replicated_like(params, ndim=1)
-    key = jnp.asarray(key_words, jnp.uint32)
-    if sharding is not None:
-      key = jax.device_put(key, sharding)
+    key = (jnp.asarray(key_words[0], jnp.uint32), jnp.asarray(key_words[1], jnp.uint32))
     state = StochasticRoundingState(step=jnp.zeros([], jnp.int32), key=key, inner=inner_state)
     return place_scalars_like(state, params)
 
@@ -385,22 +401,20 @@ def param_rounding(tx: optax.GradientTransformation, method: str, *,
       u = u.astype(jnp.float32)
       if method == "kahan":
         s = w + (u + c.astype(jnp.float32))
-        new = s.astype(p.dtype)
+        new = round_nearest(s, p.dtype)
       elif method == "stochastic":
         s = w + u
         k0, k1 = threefry2x32(state.key[0], state.key[1], state.step.astype(jnp.uint32),
                               np.uint32(index))
-        c0, c1 = _counters(p.shape)
-        bits, _ = threefry2x32(k0, k1, c0, c1)
+        bits, _ = threefry2x32(k0, k1, *_counters(p.shape))
         new = _round_with_bits(s, p.dtype, bits)
       else:
-        s = w + u
-        new = s.astype(p.dtype)
-      delta = (new.astype(jnp.float32) - w).astype(p.dtype)
-      out_u.append(delta)
-      if method == "kahan":
-        written = jnp.asarray(p + delta).astype(p.dtype)  # what apply_updates will write
-        out_c.append((s - written.astype(jnp.float32)).astype(p.dtype))
+        new = round_nearest(w + u, p.dtype)
+      d = new - w  # exact when new is within a factor of two of w (Sterbenz)
+      out_u.append(d.astype(p.dtype))
+      if method == "kahan":  # against the param apply_updates writes: w + RN(d), rounded
+        written = round_nearest(w + round_nearest(d, p.dtype), p.dtype)
+        out_c.append((s - written).astype(p.dtype))
     new_updates = treedef.unflatten(out_u)
     if method == "nearest":
       return new_updates, NearestRoundingState(inner=inner_state)
