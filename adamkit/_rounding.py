@@ -115,9 +115,18 @@ def round_nearest(x32: jax.Array, dtype: np.dtype) -> jax.Array:
   return r
 
 
+def _in_space_of(x: jax.Array, bits: jax.Array) -> jax.Array:
+  """``bits`` in ``x``'s memory space. Under ``ak.offload(mode="compute")`` the update is
+  traced on host-resident arrays, and arrays made from ``iota`` are typed device memory,
+  which JAX will not combine with host ones."""
+  space = jax.typeof(x).memory_space
+  return bits if jax.typeof(bits).memory_space == space else jax.device_put(bits, space)
+
+
 def _round_with_bits(x32: jax.Array, dtype: np.dtype, bits: jax.Array) -> jax.Array:
   """Stochastic rounding of float32 ``x32`` to ``dtype`` given 32 random bits per element;
   the result is a float32 array of values of ``dtype``."""
+  bits = _in_space_of(x32, bits)
   a = jnp.abs(x32)
   y32 = round_nearest(a, dtype)  # the nearest value of `dtype` to |x|: one neighbour
   # The other neighbour is one step of the bit pattern away: for a non-negative float,

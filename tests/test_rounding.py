@@ -478,3 +478,93 @@ def test_multisteps_of_two_equal_grads_is_one_step(method):
       p = optax.apply_updates(p, u)
     chex.assert_trees_all_equal(p, want)
     chex.assert_trees_all_equal(state.inner_opt_state, want_state)
+
+
+def _offload_supported():
+  from adamkit import _offload
+  devices = jax.devices()
+  return "pinned_host" in {m.kind for m in devices[0].addressable_memories()} and all(
+      _offload._probe(devices[0].platform, m) is None for m in ("compute", "state"))
+
+
+@pytest.mark.skipif(not _offload_supported(), reason="ak.offload unsupported here")
+@pytest.mark.parametrize("mode", ["state", "compute"])
+@pytest.mark.parametrize("method", ["stochastic", "kahan"])
+def test_offload_keeps_the_buffer_on_the_host_like_a_moment(method, mode):
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+  specs = {"w": P("a", "b"), "b": P("b"), "f32": P(), "none": None}
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                           is_leaf=lambda x: isinstance(x, P))
+  params = jax.device_put(make_params(), shardings)
+  plain = ak.param_rounding(ak.adamw(1e-2, weight_decay=0.1), method, seed=1)
+  tx = ak.offload(plain, mode=mode)
+  state = tx.init(params)
+
+  def where(s):
+    return {jax.tree_util.keystr(path): (x.sharding.memory_kind, x.ndim)
+            for path, x in jax.tree_util.tree_flatten_with_path(s)[0]}
+
+  for name, (kind, ndim) in where(state).items():
+    assert kind == ("device" if ndim == 0 else "pinned_host"), name  # scalars: the step, key
+  if method == "kahan":
+    c = state.compensation["w"]
+    assert c.dtype == jnp.bfloat16 and c.sharding.memory_kind == "pinned_host"
+    assert c.sharding.with_memory_kind("device").is_equivalent_to(shardings["w"], 2)
+
+  def make_step(tx):
+    @jax.jit
+    def step(p, s, t):
+      u, s = tx.update(grads_at(p, t), s, p)
+      return optax.apply_updates(p, u), s
+    return step
+
+  p, s = params, state
+  q, r = params, plain.init(params)
+  step, ref_step = make_step(tx), make_step(plain)
+  for t in range(3):
+    p, s = step(p, s, jnp.float32(t))
+    q, r = ref_step(q, r, jnp.float32(t))
+  assert where(s) == where(state)
+  chex.assert_trees_all_equal(p, q)  # the maths is the wrapper's, unchanged
+  chex.assert_trees_all_equal(jax.device_put(s, jax.tree.map(lambda x: x.sharding.with_memory_kind(
+      "device"), s)), r)
+
+
+nnx = pytest.importorskip("flax.nnx")
+
+
+@pytest.mark.parametrize("method", ["stochastic", "kahan"])
+def test_nnx_optimizer_with_bf16_params(method):
+  def model():
+    return nnx.Linear(5, 3, param_dtype=jnp.bfloat16, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+  x = jnp.linspace(-1.0, 1.0, 20, dtype=jnp.float32).reshape(4, 5)
+
+  def loss(m):
+    return jnp.mean((m(x) - 1.0) ** 2)
+
+  tx = lambda: ak.param_rounding(ak.adamw(1e-2), method, seed=2)  # noqa: E731
+  m = model()
+  opt = nnx.Optimizer(m, tx(), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(m, opt):
+    opt.update(m, nnx.grad(loss)(m))
+
+  for _ in range(3):
+    step(m, opt)
+  graphdef, params = nnx.split(model(), nnx.Param)
+  p = nnx.to_pure_dict(params)
+  assert {x.dtype for x in jax.tree.leaves(p)} == {jnp.dtype(jnp.bfloat16)}
+
+  def pure_loss(p):
+    return loss(nnx.merge(graphdef, nnx.State(p)))
+
+  t, state = tx(), None
+  state = t.init(p)
+  for _ in range(3):
+    u, state = jax.jit(t.update)(jax.grad(pure_loss)(p), state, p)
+    p = optax.apply_updates(p, u)
+  got = nnx.to_pure_dict(nnx.state(m, nnx.Param))
+  chex.assert_trees_all_equal(got, p)
+  assert not np.array_equal(np32(got["kernel"]), np32(nnx.to_pure_dict(params)["kernel"]))
