@@ -175,9 +175,9 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
   .. warning::
     torchao's ``bf16_stochastic_round`` adds 16 random bits to the float32 bit pattern and
-    truncates (bfloat16 only, random bits from the device's generator). This rounds to any
-    float16 too, with the rule above; for bfloat16 it rounds up
-    with the same probability, but the numbers are not torchao's.
+    truncates (bfloat16 only, random bits from the device's generator). This one rounds to
+    float16 too, by the rule above; for bfloat16 it rounds up with the same probability,
+    but the draws differ from torchao's.
 
   Args:
     x: a floating-point array of at most 32 bits (computed in float32).
@@ -328,8 +328,9 @@ def param_rounding(tx: optax.GradientTransformation, method: str, *,
 
   Raises:
     ValueError: an unknown ``method``, a ``seed`` int outside ``[0, 2**64)``.
-    TypeError: a ``seed`` that is not an int or a key; integer params (at ``init``); a state
-      from another method or another transform (at ``update``).
+    TypeError: a ``seed`` that is not an int or a key; integer params, or low-precision
+      params other than bfloat16 and float16 (at ``init``); a state from another method or
+      another transform (at ``update``).
 
   Examples:
     >>> import jax.numpy as jnp, optax, adamkit as ak

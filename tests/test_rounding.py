@@ -411,6 +411,8 @@ def test_bad_input():
   with pytest.raises(TypeError, match="leaf 'steps' has dtype int32"):
     ak.param_rounding(ak.adam(1e-3), "kahan").init({"w": jnp.ones(2, jnp.bfloat16),
                                                     "steps": jnp.zeros(2, jnp.int32)})
+  with pytest.raises(TypeError, match="rounds bfloat16 and float16 params; params leaf 'w8'"):
+    ak.param_rounding(ak.adam(1e-3), "nearest").init({"w8": jnp.ones(2, jnp.float8_e4m3fn)})
   g = grads_at(params, 0)
   stochastic = ak.param_rounding(ak.adam(1e-3), "stochastic")
   kahan = ak.param_rounding(ak.adam(1e-3), "kahan")
