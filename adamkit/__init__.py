@@ -59,6 +59,15 @@ from adamkit._offload import (
     offload_state,
 )
 from adamkit._precision import MasterWeightsState, inject_hyperparams, master_weights
+
+# Low-precision params without a master copy: stochastic rounding, Kahan-compensated updates.
+from adamkit._rounding import (
+    KahanState,
+    NearestRoundingState,
+    StochasticRoundingState,
+    param_rounding,
+    stochastic_round,
+)
 from adamkit._schedules import as_schedule
 
 # Sparse Adam for embedding tables.
@@ -99,4 +108,7 @@ __all__ = [
     "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "FusedAdamaxState",
     "FlatMoments", "build_cpu_kernel", "cpu_kernel_available", "master_weights",
     "MasterWeightsState", "inject_hyperparams",
+    # low-precision params without a master copy
+    "param_rounding", "stochastic_round", "NearestRoundingState", "StochasticRoundingState",
+    "KahanState",
 ]

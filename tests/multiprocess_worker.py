@@ -216,6 +216,43 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
     out["values"] = out["shardings"] = traceback.format_exc()
   print(process_id, "routed_rows", out, flush=True)
 
+  # bf16 params without a master copy (issue 20): the random bits of stochastic rounding
+  # come from the key, the step and each element's global position, and the Kahan buffer is
+  # sharded like its param, so both processes together write exactly the one-device bits.
+  # Elementwise gradients (no cross-device reduction) make the inner update bit-identical.
+  for method in ("stochastic", "kahan"):
+    out = results[f"param_rounding_{method}"] = {}
+    try:
+      tx = ak.param_rounding(ak.adamw(LR, weight_decay=0.01), method, seed=5)
+
+      @jax.jit
+      def rounding_step(params, state, t, tx=tx):
+        grads = jax.tree.map(lambda p: jnp.sin(3.0 * p.astype(jnp.float32) + t).astype(p.dtype),
+                             params)
+        updates, state = tx.update(grads, state, params)
+        return ak.apply_updates(params, updates), state
+
+      def rounding_run(kind, tx=tx, step=rounding_step):
+        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params_on(kind))
+        state = tx.init(params)
+        for t in range(STEPS):
+          params, state = step(params, state, jnp.float32(t))
+        return params, state
+
+      got, ref = rounding_run("mesh"), rounding_run("local")
+      assert_shards_match(got, ref, rtol=0, atol=0)
+      table = global_array(host_params["emb"], specs["emb"])
+      key = jax.random.key(3)
+      assert_shards_match(jax.jit(ak.stochastic_round, static_argnums=1)(table, jnp.bfloat16, key),
+                          ak.stochastic_round(jax.device_put(host_params["emb"], local),
+                                              jnp.bfloat16, key), rtol=0, atol=0)
+      out["values"] = "ok"
+      moved = changed_shardings(got[0])
+      out["shardings"] = f"params resharded to {moved}" if moved else "ok"
+    except Exception:  # noqa: BLE001
+      out["values"] = out["shardings"] = traceback.format_exc()
+    print(process_id, f"param_rounding_{method}", out, flush=True)
+
   # Checkpoints of the sharded state: ak.state_dict (gathered, every process calls it) and
   # orbax (each process writes its shards into one shared directory).
   import orbax.checkpoint as ocp

@@ -73,6 +73,11 @@ REGISTRY = {
     "offload_fused_adam_state": lambda lr: ak.offload(ak.fused_adam(lr), mode="state"),
     "offload_fused_adamax_compute": lambda lr: ak.offload(
         ak.fused_adamax(lr, multi_tensor=False), mode="compute"),
+    # issue 20: bf16 params without a master copy (float32 leaves pass straight through;
+    # tests/test_rounding.py runs them on bf16 and fp16 params)
+    "adamw_bf16_kahan": lambda lr: ak.param_rounding(ak.adamw(lr, weight_decay=0.01), "kahan"),
+    "adam_bf16_stochastic": lambda lr: ak.param_rounding(ak.adam(lr, weight_decay=0.01),
+                                                         "stochastic", seed=7),
 }
 
 NAMES = sorted(REGISTRY)

@@ -74,7 +74,7 @@ def _cases():
   from registry import REGISTRY
   own = ["sparse_adam_lazy", "sparse_adam_not_lazy", "fused_adam_xla", "fused_adam_auto",
          "fused_adamax", "fused_adam_update", "offload_state", "offload_compute",
-         "master_weights", "routed_rows"]
+         "master_weights", "routed_rows", "param_rounding_stochastic", "param_rounding_kahan"]
   return [f"registry:{n}" for n in REGISTRY] + own
 
 
