@@ -9,6 +9,7 @@ import optax
 from adamkit import _adam, _groups, _links, _masks, _schedules, _validate
 
 
+@_validate.foreign_keywords
 def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.01,
           weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
@@ -119,4 +120,4 @@ def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
       grad_clip=grad_clip, groups=groups, nonfinite=nonfinite, dense_only="ak.adamw",
-      decoupled=True)
+      decoupled=True, complex_ok=True)
