@@ -370,6 +370,14 @@ def _update_touched_rows(inner, updates, state, params, extra):
   on_host = [_typed_host(leaf) for _, leaf in s_flat]
   host_ids = {t: jax.device_put(tables[t][0], _compat.HOST) for t in tables}
 
+  if not all(host for host, t in zip(on_host, owners) if t is not None):
+    warnings.warn(
+        "ak.offload: a row-sparse table's optimizer state is typed as device memory (an "
+        "orbax restore gives host-placed arrays a device type): this step is compiled to "
+        "move the whole table, where host and device memory differ. Put the restored state "
+        "back first: state = ak.offload_state(state, params).", OffloadedStateWarning,
+        stacklevel=4)
+
   def gather(leaf, t, host):
     if t is None:
       return jax.device_put(leaf, _compat.DEVICE)
@@ -417,14 +425,23 @@ def _typed_host(leaf) -> bool:
   An orbax restore into a ``pinned_host`` sharding gives arrays whose sharding names host
   memory while their type says device memory, and the host gather of a row-sparse step
   refuses to mix the two ("memory_space of all inputs passed to `gather` must be the
-  same"). Such a leaf, or a state restored into device memory, takes the device path for
-  one step instead: the whole table moves, as in a dense ``mode="state"`` step.
+  same"). Such a leaf, or a state restored into device memory, takes the device path
+  instead (the whole table moves, as in a dense ``mode="state"`` step, where host and
+  device memory differ), with an :class:`OffloadedStateWarning` naming the remedy,
+  :func:`offload_state`. The state returned is host-typed; but ``jax.jit`` caches the step
+  by shardings, which do not show the type, so the step compiled for that first state
+  keeps the device path.
   """
   aval = getattr(leaf, "aval", None)
   return getattr(aval, "memory_space", None) == _compat.HOST
 
 
 # --------------------------------------------------------------------- the wrapper
+
+
+class OffloadedStateWarning(UserWarning):
+  """An offloaded step was traced with a state typed as device memory (e.g. fresh from an
+  orbax restore, before ``ak.offload_state``): correct, but it moves whole tables."""
 
 
 class UncommittedParamsWarning(UserWarning):
