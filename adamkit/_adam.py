@@ -270,6 +270,10 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       optax and PyTorch) or ``"skip"`` (the whole step is skipped and the state kept,
       via ``optax.apply_if_finite``, as MindSpore's loss-scale overflow handling).
 
+  Complex parameters are trained as optax trains them (:math:`g^2` is :math:`|g|^2`, the
+  L2 term :math:`\lambda w` keeps its imaginary part). Integer gradients are cast to their
+  parameter's dtype first, as optax's arithmetic promotes them (never an integer update).
+
   Returns:
     An ``optax.GradientTransformation``.
 

@@ -85,6 +85,10 @@ def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     loss_scale: gradients are divided by it first (MindSpore), > 0.
     nonfinite: ``"propagate"`` (default) or ``"skip"`` (see :func:`adamkit.adam`).
 
+  Complex parameters are trained as ``optax.adamw`` trains them (:math:`g^2` is
+  :math:`|g|^2`, the decay :math:`\lambda w` keeps its imaginary part). Integer gradients
+  are cast to their parameter's dtype first, as optax's arithmetic promotes them.
+
   Returns:
     An ``optax.GradientTransformation``.
 

@@ -275,8 +275,8 @@ def get_lr(state: Any):
     fused = [n for n in jax.tree.leaves(state, is_leaf=_is_fused_state) if _is_fused_state(n)]
     if fused:
       raise ValueError(
-          f"get_lr: a fused step's state ({type(fused[0]).__name__}) keeps no learning-rate "
-          "record. The rate of its next step is your `learning_rate` at the steps taken: "
+          f"get_lr: a fused step's state ({type(fused[0]).__name__}) has no adamkit "
+          "learning-rate link (it keeps no record of the rate). The rate of its next step is your `learning_rate` at the steps taken: "
           "ak.as_schedule(learning_rate)(state.count) (a constant rate is the number itself). "
           "To read (and set) it from the state, inject it: "
           "ak.inject_hyperparams(ak.fused_adam)(learning_rate=...) is the optax form (its "
