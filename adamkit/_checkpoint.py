@@ -276,7 +276,8 @@ def get_lr(state: Any):
     if fused:
       raise ValueError(
           f"get_lr: a fused step's state ({type(fused[0]).__name__}) has no adamkit "
-          "learning-rate link (it keeps no record of the rate). The rate of its next step is your `learning_rate` at the steps taken: "
+          "learning-rate link (it keeps no record of the rate). The rate of its next step "
+          "is your `learning_rate` at the steps taken: "
           "ak.as_schedule(learning_rate)(state.count) (a constant rate is the number itself). "
           "To read (and set) it from the state, inject it: "
           "ak.inject_hyperparams(ak.fused_adam)(learning_rate=...) is the optax form (its "

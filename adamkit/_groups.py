@@ -313,7 +313,7 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   tx = optax.chain(*links)
   if nonfinite == "skip":
     tx = skip_nonfinite(tx)
-  return _scalars_placed_like_params(_checks_its_state(tx, name or dense_only or "ak optimizer"))
+  return _scalars_placed_like_params(_checks_its_state(tx, name or dense_only or "this optimizer"))
 
 
 def _checks_its_state(tx: optax.GradientTransformation, name: str) -> optax.GradientTransformation:
