@@ -30,7 +30,7 @@ tx = ak.adam(0.1)
 updates, _ = tx.update(grads, tx.init(params), params)
 expected = optax.apply_updates(params, updates)
 opt = ak.fused_adam(0.1)  # the kernel when shipped, plain JAX otherwise: same numbers
-new, _ = jax.jit(opt.step)(params, opt.init(params), grads)
+new, _ = jax.jit(opt.step)(params, opt.init(params), grads=grads)
 assert jnp.allclose(new["w"], expected["w"], atol=1e-6), (new, expected)
 print(f"wheel smoke ({sys.argv[1]}): adamkit {ak.__version__} from {where}, "
       f"kernel {'on' if available else 'off'}: ok")

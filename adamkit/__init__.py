@@ -52,6 +52,7 @@ from adamkit._links import (
 
 # Offload: optimizer state in host memory.
 from adamkit._offload import (
+    OffloadedStateWarning,
     UncommittedParamsWarning,
     adam_offload,
     offload,
@@ -104,6 +105,7 @@ __all__ = [
     "check_row_ids", "fused_sparse_adam", "fused_sparse_lazy_adam", "multi_steps",
     # offload
     "offload", "adam_offload", "offload_shardings", "offload_state", "UncommittedParamsWarning",
+    "OffloadedStateWarning",
     # speed and precision
     "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "FusedAdamaxState",
     "FlatMoments", "build_cpu_kernel", "cpu_kernel_available", "master_weights",

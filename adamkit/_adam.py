@@ -199,7 +199,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
   def update_fn(updates, state, params=None):
     _validate.check_dense_grads(updates, "ak.scale_by_adam")
-    _validate.check_matching_trees(updates, state.nu, what="optimizer state")
+    _validate.check_state(state, ScaleByAmsgradState if amsgrad else ScaleByAdamState,
+                          "ak.scale_by_adam", updates)
+    updates = _validate.float_grads(updates, params)
     count = optax.safe_increment(state.count)
     if bias_correction:
       bc1, bc2 = bias_corrections(b1, b2, count)
@@ -224,6 +226,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@_validate.foreign_keywords
 def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
          b2: float = 0.999, eps: float = 1e-8, *, eps_mode: str = "hat",
          nesterov: bool = False, amsgrad: bool = False, weight_decay: Any = 0.0,
@@ -266,6 +269,10 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     nonfinite: ``"propagate"`` (default; a NaN/Inf gradient reaches the params, as in
       optax and PyTorch) or ``"skip"`` (the whole step is skipped and the state kept,
       via ``optax.apply_if_finite``, as MindSpore's loss-scale overflow handling).
+
+  Complex parameters are trained as optax trains them (:math:`g^2` is :math:`|g|^2`, the
+  L2 term :math:`\lambda w` keeps its imaginary part). Integer gradients are cast to their
+  parameter's dtype first, as optax's arithmetic promotes them (never an integer update).
 
   Returns:
     An ``optax.GradientTransformation``.

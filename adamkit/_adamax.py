@@ -77,9 +77,9 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     return ScaleByAdamaxState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):
-    del params
     _validate.check_dense_grads(updates, "ak.scale_by_adamax")
-    _validate.check_matching_trees(updates, state.nu, what="optimizer state")
+    _validate.check_state(state, ScaleByAdamaxState, "ak.scale_by_adamax", updates)
+    updates = _validate.float_grads(updates, params)
     count = optax.safe_increment(state.count)
     bc1, _ = bias_corrections(b1, b2, count)
     b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
@@ -96,6 +96,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@_validate.foreign_keywords
 def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
            b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.0,
            weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,

@@ -9,6 +9,7 @@ import optax
 from adamkit import _adam, _groups, _links, _masks, _schedules, _validate
 
 
+@_validate.foreign_keywords
 def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.01,
           weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
@@ -84,6 +85,10 @@ def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     loss_scale: gradients are divided by it first (MindSpore), > 0.
     nonfinite: ``"propagate"`` (default) or ``"skip"`` (see :func:`adamkit.adam`).
 
+  Complex parameters are trained as ``optax.adamw`` trains them (:math:`g^2` is
+  :math:`|g|^2`, the decay :math:`\lambda w` keeps its imaginary part). Integer gradients
+  are cast to their parameter's dtype first, as optax's arithmetic promotes them.
+
   Returns:
     An ``optax.GradientTransformation``.
 
@@ -119,4 +124,4 @@ def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
       grad_clip=grad_clip, groups=groups, nonfinite=nonfinite, dense_only="ak.adamw",
-      decoupled=True)
+      decoupled=True, complex_ok=True)

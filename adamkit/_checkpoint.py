@@ -225,6 +225,10 @@ def _injected(state):
   return None
 
 
+def _is_fused_state(x) -> bool:
+  return isinstance(x, (FusedAdamState, FusedAmsgradState))
+
+
 def _is_lr_record(x) -> bool:
   return isinstance(x, ScaleByLearningRateState) or (
       isinstance(x, Mapping) and set(x) == set(ScaleByLearningRateState._fields))
@@ -268,7 +272,21 @@ def get_lr(state: Any):
   if hyper is not None and len(found) <= 1 and not any(isinstance(r, Mapping) for r in records):
     return jnp.asarray(_unwrap(hyper["learning_rate"]), jnp.float32)
   if not found:
-    raise ValueError("get_lr: this state has no adamkit learning-rate link.")
+    fused = [n for n in jax.tree.leaves(state, is_leaf=_is_fused_state) if _is_fused_state(n)]
+    if fused:
+      raise ValueError(
+          f"get_lr: a fused step's state ({type(fused[0]).__name__}) has no adamkit "
+          "learning-rate link (it keeps no record of the rate). The rate of its next step "
+          "is your `learning_rate` at the steps taken: "
+          "ak.as_schedule(learning_rate)(state.count) (a constant rate is the number itself). "
+          "To read (and set) it from the state, inject it: "
+          "ak.inject_hyperparams(ak.fused_adam)(learning_rate=...) is the optax form (its "
+          "`update`, no `step`), whose state ak.get_lr / ak.set_lr read; or use ak.adam / "
+          "ak.adamw, whose state records the rate.")
+    raise ValueError(
+        "get_lr: this state has no adamkit learning-rate link: pass the state of an adamkit "
+        "optimizer (ak.adam, ak.adamw, ...), of ak.inject_hyperparams(...) or of an "
+        "nnx.Optimizer holding one.")
   if len(found) == 1:
     record = records[0]
     if isinstance(record, Mapping):  # parameter groups: {group: rate}

@@ -24,13 +24,14 @@ A :class:`FusedStep` is also a ``GradientTransformation`` over the same state: i
 kernel writes params, not updates), for chains, ``nnx.Optimizer`` and master weights.
 
 The reference is the named optimizer: for the options it accepts,
-``fused_adam(...).step(p, s, g)[0]`` equals ``optax.apply_updates(p, adam(...).update(g, s2,
-p)[0])`` to float32 rounding; the tests check every option on both backends.
+``fused_adam(...).step(p, s, grads=g)[0]`` equals ``optax.apply_updates(p, adam(...).update(g,
+s2, p)[0])`` to float32 rounding; the tests check every option on both backends.
 
-The argument order ``step(params, state, grads) -> (params, state)`` puts the donated inputs
-in the order of the outputs: ``jax.jit`` pairs donated buffers with outputs of the same shape
-in order, and a mismatch (say params paired with a first moment) makes XLA copy every
-buffer before the kernel runs, a whole extra pass.
+The argument order ``step(params, state, *, grads) -> (params, state)`` puts the donated
+inputs in the order of the outputs: ``jax.jit`` pairs donated buffers with outputs of the same
+shape in order, and a mismatch (say params paired with a first moment) makes XLA copy every
+buffer before the kernel runs, a whole extra pass. That order is the reverse of ``update(grads,
+state, params)``, so ``grads`` is keyword-only: a swapped positional call cannot run.
 """
 
 from __future__ import annotations
@@ -125,28 +126,58 @@ class FusedAmsgradState(NamedTuple):
 class FusedStep(optax.GradientTransformationExtraArgs):
   """A fused optimizer: an ``optax.GradientTransformation`` (``init(params) -> state``,
   ``update(grads, state, params) -> (updates, state)``) with a fast path,
-  ``step(params, state, grads) -> (params, state)``, over the same state. Jit ``step``
+  ``step(params, state, *, grads) -> (params, state)``, over the same state. Jit ``step``
   with ``donate_argnums=(0, 1)``: the kernel then updates params and state in place.
 
-  ``FusedStep(init, step, update)``; without ``update`` (a step-only wrapper) ``update``
-  raises a ``TypeError`` that says so.
+  ``grads`` is keyword-only: ``step`` puts the params first (the donated inputs in the
+  order of its outputs), the reverse of ``update(grads, state, params)``, and with
+  positional arguments a swapped call would run without a word and train the gradients.
+  A positional third argument raises a ``TypeError`` that says so.
+
+  ``FusedStep(init, step, update)``, with ``step(params, state, grads)`` taking its three
+  arguments positionally (the keyword-only form is made here); without ``update`` (a
+  step-only wrapper) ``update`` raises a ``TypeError`` that says so.
   """
 
-  step: Callable[[optax.Params, Any, optax.Updates], tuple[optax.Params, Any]]
+  step: Callable[..., tuple[optax.Params, Any]]
 
   def __new__(cls, init, step, update=None):
     if update is None:
       def update(updates, state, params=None, **extra_args):
         del updates, state, params, extra_args
         raise TypeError(
-            "This FusedStep has a `step` only: call `step(params, state, grads)`, or use "
-            "the optax form of the optimizer (e.g. ak.adam(...)) for `update`.")
+            "This FusedStep has a `step` only: call `step(params, state, grads=grads)`, or "
+            "use the optax form of the optimizer (e.g. ak.adam(...)) for `update`.")
     self = super().__new__(cls, init, update)
-    self.step = step
+    self.step = _grads_by_keyword(step)
     return self
 
   def __getnewargs__(self):
-    return (self.init, self.step, self.update)
+    return (self.init, self.step.positional, self.update)
+
+
+_NO_GRADS = object()
+
+
+def _grads_by_keyword(step: Callable) -> Callable:
+  """``step(params, state, grads)`` as ``step(params, state, *, grads)``; the positional
+  form stays reachable as ``.positional``."""
+  positional = getattr(step, "positional", step)
+
+  def step_kw(params, state, *args, grads=_NO_GRADS):
+    if args or grads is _NO_GRADS:
+      raise TypeError(
+          "FusedStep.step takes the gradients by keyword: step(params, state, grads=grads)"
+          f"{f', got {len(args)} more positional argument(s)' if args else ''}. Its order "
+          "(params first, as it returns them) is the reverse of update(grads, state, "
+          "params), and a positional call could swap the two without a word.")
+    return positional(params, state, grads)
+
+  step_kw.positional = positional
+  step_kw.__name__ = step_kw.__qualname__ = "step"
+  step_kw.__doc__ = ("The fused step: ``step(params, state, *, grads) -> (params, state)``; "
+                     "jit it with ``donate_argnums=(0, 1)``.")
+  return step_kw
 
 
 class _Leaf(NamedTuple):
@@ -377,6 +408,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       params = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype), grads,
                             is_leaf=_is_rs)
     hyper, wd, count, bufs = start(params, state, grads)
+    grads = _validate.float_grads(grads, params)
     out = []
     for leaf in leaf_records(params, grads, wd):
       keys, at = _slots(leaf, len(bufs))
@@ -400,6 +432,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
 
   def step_fn(params, state, grads):
     hyper, wd, count, bufs = start(params, state, grads)
+    grads = _validate.float_grads(grads, params)
     new_params = []
     # The step, in the order of its equations: this step's scalars (learning rate, decay,
     # bias corrections), then each run of leaves: decay, moments, direction, new params.
@@ -429,6 +462,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
   return FusedStep(init_fn, step_fn, update_fn)
 
 
+@_validate.foreign_keywords
 def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
                b2: float = 0.999, eps: float = 1e-8, *, eps_mode: str = "hat",
                nesterov: bool = False, amsgrad: bool = False, weight_decay: Any = 0.0,
@@ -450,7 +484,7 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
 
   The same numbers as ``optax.apply_updates(params, adam(...).update(...)[0])`` with the
   same options, computed in one pass: on CPU by a C++ kernel through ``jax.ffi`` when it is
-  built (:func:`build_cpu_kernel`), else by plain JAX. Jit ``step(params, state, grads)``
+  built (:func:`build_cpu_kernel`), else by plain JAX. Jit ``step(params, state, grads=grads)``
   with ``donate_argnums=(0, 1)`` so the kernel works in place.
 
   A gradient leaf may be a :class:`adamkit.RowSparse` (an embedding table's rows). With
@@ -508,14 +542,14 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     >>> params = {"emb": jnp.zeros((1_000_000, 4))}
     >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
     >>> grads = {"emb": ak.RowSparse(jnp.array([7, 7, 42]), jnp.ones((3, 4)), 1_000_000)}
-    >>> params, state = step(params, opt.init(params), grads)  # 2 rows of 1M move
+    >>> params, state = step(params, opt.init(params), grads=grads)  # 2 rows of 1M move
     >>> jnp.flatnonzero(params["emb"][:, 0]).tolist()  # each moved by about -lr * sign(g)
     [7, 42]
 
     >>> opt = ak.fused_adam(0.1, eps_mode="corrected")
     >>> params = {"w": jnp.array([1.0, -2.0])}
     >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
-    >>> params, state = step(params, opt.init(params), {"w": jnp.array([2.0, -4.0])})
+    >>> params, state = step(params, opt.init(params), grads={"w": jnp.array([2.0, -4.0])})
     >>> params["w"]
     Array([ 0.9, -1.9], dtype=float32)
 
@@ -534,6 +568,7 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
                 backend=backend, lazy=lazy, unique_ids=unique_ids, amsgrad=amsgrad)
 
 
+@_validate.foreign_keywords
 def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.01,
                 weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
@@ -591,7 +626,7 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     >>> opt = ak.fused_adamw(0.1, weight_decay=0.5, weight_decay_mask=None)
     >>> params = {"w": jnp.array([1.0, -2.0])}
     >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
-    >>> params, state = step(params, opt.init(params), {"w": jnp.array([0.5, 0.5])})
+    >>> params, state = step(params, opt.init(params), grads={"w": jnp.array([0.5, 0.5])})
     >>> params["w"]  # w - lr (sign(g) + wd w)
     Array([ 0.85, -2.  ], dtype=float32)
 
@@ -610,6 +645,7 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
                 bias_correction=bias_correction, decoupled=True)
 
 
+@_validate.foreign_keywords
 def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
                  b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.0,
                  weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
@@ -638,7 +674,7 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
     >>> import jax.numpy as jnp, adamkit as ak
     >>> opt = ak.fused_adamax(0.1)
     >>> params = {"w": jnp.array([1.0, -2.0])}
-    >>> params, state = opt.step(params, opt.init(params), {"w": jnp.array([3.0, -1.0])})
+    >>> params, state = opt.step(params, opt.init(params), grads={"w": jnp.array([3.0, -1.0])})
     >>> params["w"]
     Array([ 0.9, -1.9], dtype=float32)
   """

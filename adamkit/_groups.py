@@ -218,8 +218,8 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
                 weight_decay, weight_decay_mask, loss_scale, grad_clip, groups,
                 grad_centralization=False, nonfinite="propagate",
                 lr_link=None, dense_only: str | None = None,
-                decoupled: bool = False,
-                complex_ok: bool = False) -> optax.GradientTransformation:
+                decoupled: bool = False, complex_ok: bool = False,
+                name: str | None = None) -> optax.GradientTransformation:
   """Assembles ``check -> unscale -> clip -> [per group: decay -> gc -> direction -> -lr]``.
 
   ``hyper`` holds the per-group-overridable hyperparameters (``b1``, ``b2``, ``eps``),
@@ -227,7 +227,8 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   :func:`adamkit._links.scale_by_learning_rate`). ``dense_only``: the optimizer's name, to
   refuse row-sparse gradients up front with a clear error. ``decoupled``: the decay link
   goes after the direction instead (AdamW: ``[gc -> direction -> decay -> -lr]``).
-  ``complex_ok``: the direction trains complex parameters.
+  ``complex_ok``: the direction trains complex parameters. ``name``: the optimizer's name
+  in errors (default ``dense_only``).
 
   The chain's structure depends on no hyperparameter's value (a loss-scale and a decay
   link are always there, stateless when constant), so ``optax.inject_hyperparams`` of a
@@ -312,7 +313,35 @@ def build_named(direction: DirectionFactory, *, learning_rate, hyper: Mapping[st
   tx = optax.chain(*links)
   if nonfinite == "skip":
     tx = skip_nonfinite(tx)
-  return _scalars_placed_like_params(tx)
+  return _scalars_placed_like_params(_checks_its_state(tx, name or dense_only or "this optimizer"))
+
+
+def _checks_its_state(tx: optax.GradientTransformation, name: str) -> optax.GradientTransformation:
+  """``tx`` whose ``update`` refuses a state that its ``init`` does not make, naming both.
+
+  The check compares the outline of state types (:func:`adamkit._validate.state_outline`),
+  which does not depend on the params: it is read once from an abstract ``init`` of no
+  params, and costs nothing in the compiled step. Without it, another optimizer's state
+  (``ak.adam``'s given to ``ak.adamw``) fails deep inside a link, naming a field.
+  """
+  expected: list[list[str]] = []
+
+  def update_fn(updates, state, params=None, **extra):
+    if not expected:
+      expected.append(_validate.state_outline(jax.eval_shape(tx.init, {})))
+    got = _validate.state_outline(state)
+    if got != expected[0]:
+      raise TypeError(
+          f"{name}'s `update` got a state that its `init` does not make: {name} keeps "
+          f"({', '.join(expected[0])}), the state given holds ({', '.join(got) or 'no state'}). "
+          "Is it another optimizer's state (ak.adam's given to ak.adamw, say), or this "
+          "optimizer's with other options (amsgrad, grad_clip, nonfinite, groups)? Make the "
+          "state with the optimizer that updates it: state = tx.init(params); to carry "
+          "another optimizer's moments over: "
+          "ak.load_state_dict(ak.state_dict(old_state), tx.init(params)).")
+    return tx.update(updates, state, params, **extra)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
 def _scalars_placed_like_params(tx: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -27,7 +27,8 @@ def check_inputs(dense_only: str | None = None, *,
                  complex_ok: bool = False) -> optax.GradientTransformation:
   """Rejects integer params at ``init`` (complex ones too unless ``complex_ok``) and
   gradients that do not match the params (and, with ``dense_only`` naming the optimizer,
-  row-sparse gradients).
+  row-sparse gradients); casts integer gradients to their params' dtype, as optax's
+  arithmetic promotes them.
 
   Stateless; every check happens while tracing, so it costs nothing in the compiled step.
   """
@@ -42,9 +43,11 @@ def check_inputs(dense_only: str | None = None, *,
     else:
       _validate.check_row_ids_untouched(updates)
     _validate.check_matching_trees(updates, params)
-    # Python-number gradients (optax accepts them) become arrays for the links after this.
+    # Python-number gradients (optax accepts them) become arrays for the links after this,
+    # and integer ones take their param's dtype (optax promotes them; never an int update).
     as_array = lambda g: g if hasattr(g, "dtype") else jnp.asarray(g)  # noqa: E731
-    return jax.tree.map(as_array, updates, is_leaf=is_row_sparse), state
+    updates = jax.tree.map(as_array, updates, is_leaf=is_row_sparse)
+    return _validate.float_grads(updates, params), state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -258,7 +261,9 @@ def add_decay(weight_decay: Any = 0.0, mask: _masks.MaskSpec = None, *,
         w = gather_rows(w, safe_ids(g.indices, g.num_rows))
         return g.with_values(decay(g.values, w, k))
       term = w if kind == "l2" else jnp.sign(w)
-      return g + (wd * term.astype(jnp.float32)).astype(g.dtype)
+      # float32 arithmetic, but a complex w keeps its imaginary part (as optax's decay)
+      dt = compute_dtype(term) if jnp.iscomplexobj(term) else jnp.float32
+      return g + (wd.astype(dt) * term.astype(dt)).astype(g.dtype)
 
     new = jax.tree.map(decay, updates, params, keep,
                        is_leaf=lambda x: x is None or is_row_sparse(x))

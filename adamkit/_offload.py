@@ -35,6 +35,7 @@ from adamkit._sparse_types import (
     gather_rows,
     is_row_sparse,
     safe_ids,
+    scatter_rows,
 )
 from adamkit._tree import is_tracer
 
@@ -263,11 +264,11 @@ def offload_state(state: Any, params: Any, *, shardings: Any = None,
 
   Use it after restoring a checkpoint (``numpy`` arrays, or arrays in device memory) to put
   an offloaded optimizer's state back where ``ak.offload`` keeps it. (The offloaded
-  ``update`` also moves a state it finds in device memory, but donation then fails for
-  that one step.) Always copies: orbax restores arrays whose sharding names
-  ``pinned_host`` while their type says device memory (``float32[N, D]``, not
-  ``float32<host>[N, D]``), which the host gather of a sparse state refuses; a copy gives
-  them the host type.
+  ``update`` also takes a state it finds in device memory, or typed so: it moves such
+  leaves whole for that one step, row-sparse tables included, and donation fails for that
+  step.) Always copies: orbax restores arrays whose sharding names ``pinned_host`` while
+  their type says device memory (``float32[N, D]``, not ``float32<host>[N, D]``); a copy
+  gives them the host type.
 
   Examples:
     >>> import numpy as np, jax, jax.numpy as jnp, adamkit as ak
@@ -366,10 +367,26 @@ def _update_touched_rows(inner, updates, state, params, extra):
 
   s_flat, s_def = jax.tree_util.tree_flatten_with_path(state)
   owners = [table_of(path, leaf) for path, leaf in s_flat]
+  on_host = [_typed_host(leaf) for _, leaf in s_flat]
   host_ids = {t: jax.device_put(tables[t][0], _compat.HOST) for t in tables}
-  reduced_state = s_def.unflatten([
-      jax.device_put(leaf, _compat.DEVICE) if t is None else _host_gather(leaf, host_ids[t])
-      for (_, leaf), t in zip(s_flat, owners)])
+
+  if not all(host for host, t in zip(on_host, owners) if t is not None):
+    warnings.warn(
+        "ak.offload: a row-sparse table's optimizer state is typed as device memory (an "
+        "orbax restore gives host-placed arrays a device type): this step is compiled to "
+        "move the whole table, where host and device memory differ. Put the restored state "
+        "back first: state = ak.offload_state(state, params).", OffloadedStateWarning,
+        stacklevel=4)
+
+  def gather(leaf, t, host):
+    if t is None:
+      return jax.device_put(leaf, _compat.DEVICE)
+    if host:
+      return _host_gather(leaf, host_ids[t])
+    return gather_rows(jax.device_put(leaf, _compat.DEVICE), tables[t][0])
+
+  reduced_state = s_def.unflatten([gather(leaf, t, host)
+                                   for (_, leaf), t, host in zip(s_flat, owners, on_host)])
 
   u, new_state = inner.update(reduced_updates, reduced_state, reduced_params, **extra)
 
@@ -387,15 +404,44 @@ def _update_touched_rows(inner, updates, state, params, extra):
     out_u.append(RowSparse.of(global_ids, leaf.values, n))
   out_u = jax.tree.structure(u, is_leaf=is_row_sparse).unflatten(out_u)
 
+  def scatter(old, new, t, host):
+    if t is None:
+      return _to_host(new)
+    if host:
+      return _host_scatter(old, host_ids[t], new)
+    # A table typed as device memory (just restored, see _typed_host): scattered on the
+    # device and sent to host memory whole, this step only; the next finds it host-typed.
+    return _to_host(scatter_rows(jax.device_put(old, _compat.DEVICE), tables[t][0], new))
+
   new_flat = s_def.flatten_up_to(new_state)
-  out_state = s_def.unflatten([
-      _to_host(new) if t is None
-      else _host_scatter(old, host_ids[t], new)
-      for (_, old), new, t in zip(s_flat, new_flat, owners)])
+  out_state = s_def.unflatten([scatter(old, new, t, host) for (_, old), new, t, host
+                               in zip(s_flat, new_flat, owners, on_host)])
   return out_u, out_state
 
 
+def _typed_host(leaf) -> bool:
+  """Whether JAX types ``leaf`` as host memory (``float32<host>[N, D]``).
+
+  An orbax restore into a ``pinned_host`` sharding gives arrays whose sharding names host
+  memory while their type says device memory, and the host gather of a row-sparse step
+  refuses to mix the two ("memory_space of all inputs passed to `gather` must be the
+  same"). Such a leaf, or a state restored into device memory, takes the device path
+  instead (the whole table moves, as in a dense ``mode="state"`` step, where host and
+  device memory differ), with an :class:`OffloadedStateWarning` naming the remedy,
+  :func:`offload_state`. The state returned is host-typed; but ``jax.jit`` caches the step
+  by shardings, which do not show the type, so the step compiled for that first state
+  keeps the device path.
+  """
+  aval = getattr(leaf, "aval", None)
+  return getattr(aval, "memory_space", None) == _compat.HOST
+
+
 # --------------------------------------------------------------------- the wrapper
+
+
+class OffloadedStateWarning(UserWarning):
+  """An offloaded step was traced with a state typed as device memory (e.g. fresh from an
+  orbax restore, before ``ak.offload_state``): correct, but it moves whole tables."""
 
 
 class UncommittedParamsWarning(UserWarning):
@@ -459,14 +505,14 @@ def _offload_fused(opt: FusedStep, mode: str, memory_kind: str) -> FusedStep:
   """:func:`offload` for a :class:`adamkit.FusedStep`: the same two modes, params in/out."""
   def step_fn(params, state, grads):
     if mode == "state":
-      params, state = opt.step(params, jax.device_put(state, _compat.DEVICE), grads)
+      params, state = opt.step(params, jax.device_put(state, _compat.DEVICE), grads=grads)
       return params, _to_host(state)
     # The fused step reads and writes the params: they go down with the grads, and the new
     # params (not an update) come up.
     spaces = _spaces(state)
     params, state, grads = jax.device_put((params, state, grads), _compat.HOST)
     with _explain_host_tracing():
-      return _compat.on_host(opt.step, (_compat.DEVICE, spaces))(params, state, grads)
+      return _compat.on_host(opt.step.positional, (_compat.DEVICE, spaces))(params, state, grads)
 
   # The optax form: the optimizer's own ``update`` offloaded as any transform is.
   return FusedStep(_host_init(opt.init, mode, memory_kind), step_fn,
@@ -510,7 +556,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
 
   A :class:`adamkit.FusedStep` (:func:`adamkit.fused_adam`, :func:`adamkit.fused_adamax`)
   is offloaded the same way, and the result is again a ``FusedStep``: its
-  ``step(params, state, grads) -> (params, state)`` returns the new params in device
+  ``step(params, state, grads=grads) -> (params, state)`` returns the new params in device
   memory and the state in host memory. In ``"compute"`` mode (DeepSpeed's CPU Adam) the
   grads *and* the params go down and the new params come up (12 bytes per float32
   parameter), and the one-pass step runs on the host; in ``"state"`` mode the state comes
@@ -594,7 +640,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
     >>> opt = ak.offload(ak.fused_adam(0.1))
     >>> params = jax.device_put({"w": jnp.array([1.0, -2.0])}, jax.devices()[0])
     >>> step = jax.jit(opt.step, donate_argnums=(0, 1))
-    >>> params, state = step(params, opt.init(params), {"w": jnp.array([2.0, -4.0])})
+    >>> params, state = step(params, opt.init(params), grads={"w": jnp.array([2.0, -4.0])})
     >>> params["w"].round(4), params["w"].sharding.memory_kind
     (Array([ 0.9, -1.9], dtype=float32), 'device')
     >>> {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim}  # the moments

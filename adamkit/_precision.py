@@ -61,7 +61,7 @@ def master_weights(tx: optax.GradientTransformation, *,
 
   A :class:`adamkit.FusedStep` (``ak.fused_adam(...)``; Paddle ``multi_precision`` with
   ``use_multi_tensor``) gives a ``FusedStep`` again: its ``update`` is the above, and its
-  ``step(params, state, grads) -> (params, state)`` runs the fused step on the float32
+  ``step(params, state, grads=grads) -> (params, state)`` runs the fused step on the float32
   tree and writes each low-precision param as its new master, cast (Paddle's rule).
 
   Args:
@@ -148,7 +148,7 @@ def master_weights(tx: optax.GradientTransformation, *,
     to32 = lambda x: x.astype(master_dtype)  # noqa: E731
     grads32 = jax.tree.map(lambda m, g: g if m is None else map_values(to32, g), state.master,
                            grads, is_leaf=lambda x: x is None)
-    full_new, inner = tx.step(full(state.master, params), state.inner, grads32)
+    full_new, inner = tx.step(full(state.master, params), state.inner, grads=grads32)
     none = lambda x: x is None  # noqa: E731
     master = jax.tree.map(lambda m, n: None if m is None else n, state.master, full_new,
                           is_leaf=none)

@@ -287,8 +287,8 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     return state_type(jnp.zeros([], jnp.int32), mu, nu, *extra)
 
   def update_fn(updates, state, params=None):
-    del params
-    _validate.check_matching_trees(updates, state.nu, what="optimizer state")
+    _validate.check_state(state, state_type, "ak.scale_by_sparse_adam", updates)
+    updates = _validate.float_grads(updates, params)
     count = optax.safe_increment(state.count)
     if bias_correction:
       bc1, bc2 = _adam.bias_corrections(b1, b2, count)
@@ -324,6 +324,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@_validate.foreign_keywords
 def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8, *, lazy: bool = True,
                 eps_mode: str = "hat", nesterov: bool = False, amsgrad: bool = False,
@@ -422,9 +423,10 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
   return _groups.build_named(
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
-      grad_clip=grad_clip, groups=groups, nonfinite=nonfinite)
+      grad_clip=grad_clip, groups=groups, nonfinite=nonfinite, name="ak.sparse_adam")
 
 
+@_validate.foreign_keywords
 def sparse_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
                  b2: float = 0.999, eps: float = 1e-8, *, lazy: bool = True,
                  weight_decay: Any = 0.01,
@@ -513,7 +515,7 @@ def sparse_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
   return _groups.build_named(
       direction, learning_rate=learning_rate, hyper=dict(b1=b1, b2=b2, eps=eps),
       weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, loss_scale=loss_scale,
-      grad_clip=None, groups=None, nonfinite=nonfinite, decoupled=True)
+      grad_clip=None, groups=None, nonfinite=nonfinite, decoupled=True, name="ak.sparse_adamw")
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates, *,

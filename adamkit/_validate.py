@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import numbers
 from typing import Any
 
@@ -211,3 +213,134 @@ def check_row_ids_untouched(updates: Any) -> None:
           "optimizer: ak.sparse_adam(grad_clip=ak.ClipGradByGlobalNorm(c) | "
           "ak.ClipGradByNorm(c) | ak.ClipGradByValue(c), loss_scale=s, nonfinite='skip'), or "
           "transform the values with g.with_values(...).")
+
+
+# ------------------------------------------------------------------ gradients and state
+
+
+def _is_integral(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and not is_row_sparse(x) and (
+      jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_))
+
+
+def float_grads(updates: Any, params: Any = None) -> Any:
+  """``updates`` with each integer or boolean dense leaf cast to its param's dtype (JAX's
+  default float dtype where no floating param is given), as optax's arithmetic promotes
+  them: an update is never computed, and truncated, in an integer dtype. Other leaves are
+  returned as they are; call after :func:`check_matching_trees`."""
+  leaves, treedef = jax.tree.flatten(updates, is_leaf=is_row_sparse)
+  if not any(_is_integral(g) for g in leaves):
+    return updates
+  default = jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
+  like = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
+
+  def dtype_of(p):
+    dtype = getattr(p, "dtype", None)
+    if dtype is not None and (jnp.issubdtype(dtype, jnp.floating)
+                              or jnp.issubdtype(dtype, jnp.complexfloating)):
+      return dtype
+    return default
+
+  return treedef.unflatten([g.astype(dtype_of(p)) if _is_integral(g) else g
+                            for g, p in zip(leaves, like)])
+
+
+def check_state(state: Any, want: type, optimizer: str, updates: Any) -> None:
+  """``state`` must be a ``want`` (the state type made by ``optimizer``'s ``init``) whose
+  moment fields (every field but ``count``) are trees of the gradients' structure with a
+  floating-point (or complex) leaf of each gradient's shape. Errors name the field and the
+  leaf; a moment of shape ``(1,)`` would otherwise broadcast, and an integer one truncate,
+  without a word."""
+  if not isinstance(state, want):
+    raise TypeError(
+        f"{optimizer} takes the {want.__name__} made by its own `init`, got "
+        f"{_state_names(state)} (the state of another optimizer, or of this one with other "
+        "options, e.g. amsgrad?). Make the state with the transform that updates it: "
+        "state = tx.init(params).")
+  u_def = jax.tree.structure(updates, is_leaf=is_row_sparse)
+  flat = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)[0]
+  for field in want._fields:
+    if field == "count":
+      continue
+    moments = getattr(state, field)
+    if jax.tree.structure(moments) != u_def:
+      raise ValueError(
+          f"{optimizer}: state.{field} does not match the gradient tree (a state made for "
+          f"other params?).\n  gradients: {u_def}\n  state.{field}: "
+          f"{jax.tree.structure(moments)}")
+    for (path, g), m in zip(flat, jax.tree.leaves(moments)):
+      dtype = getattr(m, "dtype", None)
+      ok = dtype is not None and (jnp.issubdtype(dtype, jnp.floating)
+                                  or jnp.issubdtype(dtype, jnp.complexfloating))
+      if np.shape(m) != np.shape(g) or not ok:
+        raise ValueError(
+            f"{optimizer}: state.{field} of '{path_name(path) or '<root>'}' has shape "
+            f"{np.shape(m)} and dtype {dtype}, but the parameter (and its gradient) has "
+            f"shape {np.shape(g)}: a moment must be a floating-point array of its "
+            "parameter's shape. Make the state with this optimizer's `init` for these "
+            "params.")
+
+
+def _state_names(state: Any) -> str:
+  """``state``'s type name, or its outline for a chain state (see :func:`state_outline`)."""
+  if isinstance(state, tuple) and not hasattr(state, "_fields"):
+    return "a chain state (" + ", ".join(state_outline(state)) + ")"
+  return f"a {type(state).__name__}"
+
+
+def state_outline(state: Any) -> list[str]:
+  """The state types of a chain's state, in order: the name of each NamedTuple met while
+  walking plain tuples (``optax.chain``) and ``inner_state`` fields (wrappers such as
+  ``optax.apply_if_finite``). Per-parameter trees are not entered and arrays not listed,
+  so the outline of a named optimizer's state does not depend on the params."""
+  out: list[str] = []
+
+  def walk(node):
+    fields = getattr(node, "_fields", None)
+    if fields is not None:
+      out.append(type(node).__name__)
+      if "inner_state" in fields:
+        walk(node.inner_state)
+    elif isinstance(node, (tuple, list)):
+      for x in node:
+        walk(x)
+
+  walk(state)
+  return out
+
+
+# Keywords that optax, PyTorch, Paddle or MindSpore spell otherwise: (adamkit's argument,
+# what to pass). Suggested only where the optimizer has that argument.
+_FOREIGN_KEYWORDS = {
+    "mask": ("weight_decay_mask", "`weight_decay_mask` (optax's `mask`: a bool tree, or a "
+             "callable params -> bool tree)"),
+    "lr": ("learning_rate", "`learning_rate`"),
+    "betas": ("b1", "`b1` and `b2` (PyTorch's `betas=(b1, b2)`)"),
+    "beta1": ("b1", "`b1`"),
+    "beta2": ("b2", "`b2`"),
+    "epsilon": ("eps", "`eps`"),
+    "apply_decay_param_fun": ("weight_decay_mask", "`weight_decay_mask=ak.masks.name_rule(fn)` "
+                              "(Paddle's `apply_decay_param_fun=fn`)"),
+    "use_amsgrad": ("amsgrad", "`amsgrad`"),
+    "use_nesterov": ("nesterov", "`nesterov`"),
+    "lazy_mode": ("lazy", "`lazy`"),
+}
+
+
+def foreign_keywords(fn):
+  """Decorator for a named optimizer: a keyword that optax, PyTorch, Paddle or MindSpore
+  spell otherwise (optax's ``mask``, PyTorch's ``lr`` and ``betas``, Paddle's ``epsilon``...)
+  raises a TypeError that names adamkit's argument, instead of Python's bare "unexpected
+  keyword argument". Other calls go straight through."""
+  accepted = set(inspect.signature(fn).parameters)
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    for key in kwargs:
+      if key not in accepted and _FOREIGN_KEYWORDS.get(key, ("",))[0] in accepted:
+        raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {key!r}; "
+                        f"adamkit's is {_FOREIGN_KEYWORDS[key][1]}.")
+    return fn(*args, **kwargs)
+
+  return wrapper

@@ -83,7 +83,7 @@ def optax_runner(tx, params, grads):
 
 
 def fused_runner(opt, params, grads):
-  fn = jax.jit(opt.step, donate_argnums=(0, 1))
+  fn = jax.jit(lambda p, s, g: opt.step(p, s, grads=g), donate_argnums=(0, 1))
   p = jax.tree.map(jnp.copy, params)
   return fn, common.stateful_runner(fn, (p, opt.init(p)), (grads,))
 

@@ -116,7 +116,7 @@ def ak_fused_runner(n, d, data):
   opt = ak.fused_adam(1e-3)
 
   def step(params, state, ids, vals):
-    return opt.step(params, state, {"emb": ak.RowSparse(ids, vals, n)})
+    return opt.step(params, state, grads={"emb": ak.RowSparse(ids, vals, n)})
 
   f = jax.jit(step, donate_argnums=(0, 1))
   dev = [(jnp.asarray(i), jnp.asarray(v)) for i, v in data]

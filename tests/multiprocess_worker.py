@@ -99,7 +99,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
       return jax.grad(loss)(params, ids, y)
 
     if isinstance(opt, ak.FusedStep):
-      return jax.jit(lambda p, s, ids, y: opt.step(p, s, grads_of(p, ids, y)))
+      return jax.jit(lambda p, s, ids, y: opt.step(p, s, grads=grads_of(p, ids, y)))
 
     @jax.jit
     def step(params, state, ids, y):

@@ -91,7 +91,7 @@ def test_library_works_without_its_native_backend(tmp_path):
       g = {"emb": ak.RowSparse(jnp.array([3, 3, 9]), jnp.ones((3, 4)), 100),
            "w": jnp.cos(p["w"])}
       opt = ak.fused_adam(0.1, weight_decay=0.01)
-      new, _ = jax.jit(opt.step)(p, opt.init(p), g)
+      new, _ = jax.jit(opt.step)(p, opt.init(p), grads=g)
       tx = ak.sparse_adam(0.1)
       u, _ = tx.update(g, tx.init(p), p)
       via = ak.apply_updates(p, u)
@@ -109,7 +109,7 @@ def test_library_works_without_its_native_backend(tmp_path):
   p = {"emb": jnp.linspace(0, 1, 400).reshape(100, 4), "w": jnp.linspace(-1, 1, 40000)}
   g = {"emb": ak.RowSparse(jnp.array([3, 3, 9]), jnp.ones((3, 4)), 100), "w": jnp.cos(p["w"])}
   opt = ak.fused_adam(0.1, weight_decay=0.01, backend="xla")
-  new, _ = jax.jit(opt.step)(p, opt.init(p), g)
+  new, _ = jax.jit(opt.step)(p, opt.init(p), grads=g)
   tx = ak.sparse_adam(0.1, backend="xla")
   u, _ = tx.update(g, tx.init(p), p)
   want = jax.tree.leaves((new, ak.apply_updates(p, u, backend="xla")))
@@ -287,7 +287,7 @@ def test_fused_step_keeps_shardings_on_8_devices(multi_tensor, axis_type):
   state = opt.init(params)
   moment_shardings = None
   for _ in range(3):
-    params, state = step(params, state, grads_of(params))
+    params, state = step(params, state, grads=grads_of(params))
     for leaf in jax.tree.leaves(params):
       assert leaf.sharding.is_equivalent_to(sharding, 2)
     moments = jax.tree.leaves((state.mu, state.nu))
@@ -301,7 +301,7 @@ def test_fused_step_keeps_shardings_on_8_devices(multi_tensor, axis_type):
   one = jax.device_put(host, jax.devices()[0])
   one_state = opt.init(one)
   for _ in range(3):
-    one, one_state = jax.jit(opt.step)(one, one_state, grads_of(one))
+    one, one_state = jax.jit(opt.step)(one, one_state, grads=grads_of(one))
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((one, one_state))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
 
@@ -347,7 +347,7 @@ def test_fused_step_keeps_mixed_shardings_on_8_devices(make):
           "w2": rng.standard_normal((16, 4)), "b": np.zeros(4)}
   host = {k: v.astype(np.float32) for k, v in host.items()}
   opt = make()
-  step = jax.jit(lambda p, s: opt.step(p, s, jax.tree.map(lambda x: jnp.sin(3.0 * x) + 0.1, p)))
+  step = jax.jit(lambda p, s: opt.step(p, s, grads=jax.tree.map(lambda x: jnp.sin(3.0 * x) + 0.1, p)))
 
   params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
   state = opt.init(params)

@@ -47,7 +47,7 @@ def run_fused(opt, params, steps=STEPS, donate=True):
   state = opt.init(params)
   params = jax.tree.map(jnp.copy, params)
   for t in range(steps):
-    params, state = step(params, state, grads_like(params, 100 + t))
+    params, state = step(params, state, grads=grads_like(params, 100 + t))
   return params, state
 
 
@@ -146,7 +146,7 @@ def test_without_donation_inputs_are_untouched(kernel):
   opt = ak.fused_adam(0.1, backend="kernel")
   state = opt.init(params)
   before = jax.tree.map(np.array, (params, state))
-  new_params, new_state = jax.jit(opt.step)(params, state, grads_like(params, 0))
+  new_params, new_state = jax.jit(opt.step)(params, state, grads=grads_like(params, 0))
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(before)):
     np.testing.assert_array_equal(np.asarray(a), b)
   assert not np.allclose(np.asarray(new_params["conv"]), before[0]["conv"])
@@ -177,11 +177,11 @@ def test_auto_backend_without_kernel_is_pure_jax(monkeypatch):
   monkeypatch.setattr(_backend, "kernel_built", lambda: False)
   params = make_params()
   opt = ak.fused_adam(0.1)
-  hlo = jax.jit(opt.step).lower(params, opt.init(params), grads_like(params, 0)).as_text()
+  hlo = jax.jit(opt.step).lower(params, opt.init(params), grads=grads_like(params, 0)).as_text()
   assert "adamkit_cpu_step" not in hlo
   assert_close(run_fused(opt, params)[0], run_reference(ak.adam(0.1), params))
   with pytest.raises(RuntimeError, match="not built"):
-    ak.fused_adam(0.1, backend="kernel").step(params, opt.init(params), grads_like(params, 0))
+    ak.fused_adam(0.1, backend="kernel").step(params, opt.init(params), grads=grads_like(params, 0))
 
 
 def test_multi_tensor_is_one_kernel_call(kernel):
@@ -192,7 +192,7 @@ def test_multi_tensor_is_one_kernel_call(kernel):
       opt = make(0.1, backend="kernel", multi_tensor=mt, weight_decay_mask=None,
                  weight_decay=0.1)
       hlo = jax.jit(opt.step, donate_argnums=(0, 1)).lower(params, opt.init(params),
-                                                           grads).as_text()
+                                                           grads=grads).as_text()
       count[mt] = hlo.count("adamkit_cpu_step")
     assert count[True] == 1 and count[False] == len(jax.tree.leaves(params))
 
@@ -202,7 +202,7 @@ def test_donated_step_updates_in_place(kernel):
   params = make_params()
   opt = ak.fused_adam(0.1, backend="kernel")
   compiled = jax.jit(opt.step, donate_argnums=(0, 1)).lower(
-      params, opt.init(params), grads_like(params, 0)).compile()
+      params, opt.init(params), grads=grads_like(params, 0)).compile()
   assert " copy(" not in compiled.as_text()
 
 
@@ -210,7 +210,7 @@ def test_bad_arguments():
   params = make_params()
   opt = ak.fused_adam()
   with pytest.raises(ValueError, match="does not match"):
-    opt.step(params, opt.init(params), {"conv": params["conv"]})
+    opt.step(params, opt.init(params), grads={"conv": params["conv"]})
   with pytest.raises(ValueError, match="backend"):
     ak.fused_adam(backend="gpu")
   with pytest.raises(ValueError, match="b2"):
@@ -241,7 +241,7 @@ def test_multi_tensor_many_leaves_split_into_runs(kernel, backend):
                {k: v for k, v in expected.items() if k != "l40"})
   assert_close(actual["l40"], expected["l40"], rtol=1e-2, atol=1e-2)
   if backend == "kernel":
-    hlo = jax.jit(opt.step).lower(params, opt.init(params), grads_like(params, 0)).as_text()
+    hlo = jax.jit(opt.step).lower(params, opt.init(params), grads=grads_like(params, 0)).as_text()
     assert 3 <= hlo.count("adamkit_cpu_step") < 70
 
 
@@ -272,7 +272,7 @@ def test_kernel_step_batches_under_vmap(kernel):
     opt = ak.fused_adam(0.1, weight_decay=0.01, backend=backend)
     state = opt.init(p)
     for _ in range(2):
-      p, state = opt.step(p, state, g)
+      p, state = opt.step(p, state, grads=g)
     return p
 
   got = jax.jit(jax.vmap(lambda p, g: member("kernel", p, g)))(params, grads)
@@ -291,33 +291,33 @@ def test_a_first_moment_smaller_than_its_param_is_refused(kernel, backend):
   params = {"w": jnp.ones(100_000)}
   state = opt.init(params)._replace(mu={"w": jnp.zeros(10)})
   with pytest.raises(ValueError, match=r"state.mu of 'w' has shape \(10,\)"):
-    jax.jit(opt.step)(params, state, params)
+    jax.jit(opt.step)(params, state, grads=params)
   bad_nu = opt.init(params)._replace(nu={"w": jnp.zeros((100_000,), jnp.int32)})
   with pytest.raises(ValueError, match="state.nu of 'w'"):
-    jax.jit(opt.step)(params, bad_nu, params)
+    jax.jit(opt.step)(params, bad_nu, grads=params)
 
 
 def test_a_state_of_another_optimizer_is_refused():
   params = make_params()
   opt = ak.fused_adam(0.1)
   with pytest.raises(TypeError, match="FusedAdamState.*tuple"):
-    opt.step(params, ak.adam(0.1).init(params), grads_like(params, 0))
+    opt.step(params, ak.adam(0.1).init(params), grads=grads_like(params, 0))
   per_leaf = ak.fused_adam(0.1, multi_tensor=False).init(params)
   with pytest.raises(ValueError, match="multi-tensor state's mu"):
-    opt.step(params, per_leaf, grads_like(params, 0))
+    opt.step(params, per_leaf, grads=grads_like(params, 0))
   with pytest.raises(ValueError, match="state's mu tree does not match"):
-    ak.fused_adam(0.1, multi_tensor=False).step(params, opt.init(params), grads_like(params, 0))
+    ak.fused_adam(0.1, multi_tensor=False).step(params, opt.init(params), grads=grads_like(params, 0))
   ams = ak.fused_adam(0.1, amsgrad=True)
   with pytest.raises(TypeError, match="amsgrad=True takes the FusedAmsgradState.*FusedAdamState"):
-    ams.step(params, opt.init(params), grads_like(params, 0))
+    ams.step(params, opt.init(params), grads=grads_like(params, 0))
   short = ams.init(params)._replace(nu_max={"float32": jnp.zeros(3)})
   with pytest.raises(ValueError, match="nu_max buffers"):
-    ams.step(params, short, grads_like(params, 0))
+    ams.step(params, short, grads=grads_like(params, 0))
   ams = ak.fused_adamw(0.1, amsgrad=True, multi_tensor=False)
   with pytest.raises(ValueError, match="state.nu_max of 'conv'"):
     state = ams.init(params)
     ams.step(params, state._replace(nu_max={**state.nu_max, "conv": jnp.zeros(3)}),
-             grads_like(params, 0))
+             grads=grads_like(params, 0))
 
 
 # ------------------------------------------------------------- the optax protocol
@@ -446,7 +446,7 @@ def test_master_weights_of_a_fused_step(multi_tensor):
     u, s = tx.update(g, s, p)
     ru, rs = ref.update(g, rs, rp)
     p, rp = optax.apply_updates(p, u), optax.apply_updates(rp, ru)
-    sp, ss = step(jax.tree.map(jnp.copy, sp), ss, g)
+    sp, ss = step(jax.tree.map(jnp.copy, sp), ss, grads=g)
   for a, e in zip(jax.tree.leaves((p, s.master)), jax.tree.leaves((rp, rs.master))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
   assert_close(ss.master, s.master)
@@ -461,7 +461,7 @@ def test_state_dict_names_fused_moments_by_param(multi_tensor):
   params = {"fc": {"weight": jnp.ones((2, 3)), "bias": jnp.zeros(3)},
             "h": jnp.ones(2, jnp.bfloat16)}
   opt = ak.fused_adam(0.1, multi_tensor=multi_tensor)
-  _, state = opt.step(params, opt.init(params), jax.tree.map(lambda x: x + 1, params))
+  _, state = opt.step(params, opt.init(params), grads=jax.tree.map(lambda x: x + 1, params))
   sd = ak.state_dict(state, params)
   assert sorted(sd) == ["fc.bias.moment1", "fc.bias.moment2", "fc.weight.moment1",
                         "fc.weight.moment2", "h.moment1", "h.moment2", "step"]
@@ -490,7 +490,7 @@ def test_an_offloaded_fused_step_has_the_optax_form(make, mode):
     g = grads_like(params, t)
     u, s_upd = update(g, s_upd, p_upd)
     p_upd = optax.apply_updates(p_upd, u)
-    p_step, s_step = step(p_step, s_step, g)
+    p_step, s_step = step(p_step, s_step, grads=g)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(s_upd) if x.ndim} == {"pinned_host"}
   for a, b in zip(jax.tree.leaves((p_upd, s_upd)), jax.tree.leaves((p_step, s_step))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
@@ -503,7 +503,7 @@ def test_amsgrad_state_dict_names_the_running_maximum(multi_tensor):
   opt = ak.fused_adamw(0.1, amsgrad=True, multi_tensor=multi_tensor)
   params = {"fc": {"weight": jnp.ones((2, 3))}, "b": jnp.ones(3)}
   grads = {"fc": {"weight": jnp.full((2, 3), 2.0)}, "b": jnp.ones(3)}
-  _, state = opt.step(params, opt.init(params), grads)
+  _, state = opt.step(params, opt.init(params), grads=grads)
   sd = ak.state_dict(state)
   assert sorted(sd) == sorted(f"{p}.{m}" for p in ("b", "fc.weight")
                               for m in ("moment1", "moment2", "moment2_max")) + ["step"]

@@ -43,7 +43,7 @@ def run_fused(opt, steps=STEPS, check_placement=False, params=None):
     warnings.simplefilter("always")
     for t in range(steps):
       old = jax.tree.leaves((params, state))
-      params, state = step(params, state, grads_at(params, jnp.float32(t)))
+      params, state = step(params, state, grads=grads_at(params, jnp.float32(t)))
       if check_placement:
         assert kinds(state) == {HOST}, f"step {t}: state in {kinds(state)}"
         assert kinds(params) == {"device"}, f"step {t}: params in {kinds(params)}"
@@ -99,7 +99,7 @@ def test_compute_mode_runs_the_kernel_on_the_host(kernel, multi_tensor):
   opt = ak.offload(ak.fused_adam(LR, multi_tensor=multi_tensor, backend="kernel"), mode="compute")
   params = {"w": jnp.ones((_backend.MIN_LEAF,), jnp.float32)}
   state = opt.init(params)
-  jaxpr = jax.make_jaxpr(opt.step)(params, state, params).jaxpr
+  jaxpr = jax.make_jaxpr(opt.step)(params, state, grads=params).jaxpr
   (region,) = [e for e in jaxpr.eqns if e.primitive.name == "compute_on"]
   inner = region.params["jaxpr"]
   inner = getattr(inner, "jaxpr", inner)

@@ -151,7 +151,7 @@ def _drive():  # noqa: C901 - one list of cases
         def fused_step(params, state, ids, vals, opt=opt, n=n):
           grads = {"a": jnp.ones((5, 7)), "b_emb": ak.RowSparse(ids, vals, n),
                    "c": jnp.full((1000,), 0.5)}
-          return opt.step(params, state, grads)
+          return opt.step(params, state, grads=grads)
 
         new, new_state = fused_step(params, state, ids, vals)
         moments = lambda s: s[1:]  # noqa: E731 - mu, nu (and nu_max)
@@ -176,26 +176,26 @@ def _drive():  # noqa: C901 - one list of cases
     opt = make(0.1, multi_tensor=mt, backend="kernel")
     params = {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(sizes)}
     grads = {k: jnp.where(jnp.arange(x.size) % 7 == 0, jnp.nan, x) for k, x in params.items()}
-    jax.block_until_ready(jax.jit(opt.step)(params, opt.init(params), grads))
+    jax.block_until_ready(jax.jit(opt.step)(params, opt.init(params), grads=grads))
     counts["cases"] += 1
 
   # --- malformed states and values through the public API: refused before any kernel runs
   big = {"w": jnp.ones(100_000)}
   opt = ak.fused_adam(0.1, multi_tensor=False, backend="kernel")
-  refused(jax.jit(opt.step), big, opt.init(big)._replace(mu={"w": jnp.zeros(10)}), big)
-  refused(jax.jit(opt.step), big, opt.init(big)._replace(nu={"w": jnp.zeros(10)}), big)
+  refused(jax.jit(opt.step), big, opt.init(big)._replace(mu={"w": jnp.zeros(10)}), grads=big)
+  refused(jax.jit(opt.step), big, opt.init(big)._replace(nu={"w": jnp.zeros(10)}), grads=big)
   refused(jax.jit(opt.step), big,
-          opt.init(big)._replace(mu={"w": jnp.zeros(100_000, jnp.int32)}), big)
+          opt.init(big)._replace(mu={"w": jnp.zeros(100_000, jnp.int32)}), grads=big)
   ams = ak.fused_adamw(0.1, amsgrad=True, multi_tensor=False, backend="kernel")
-  refused(jax.jit(ams.step), big, ams.init(big)._replace(nu_max={"w": jnp.zeros(10)}), big)
-  refused(jax.jit(ams.step), big, opt.init(big), big)  # no running maximum at all
+  refused(jax.jit(ams.step), big, ams.init(big)._replace(nu_max={"w": jnp.zeros(10)}), grads=big)
+  refused(jax.jit(ams.step), big, opt.init(big), grads=big)  # no running maximum at all
   short = ak.RowSparse(jnp.array([1, 2, 3, 4]), jnp.ones((4, 8)), 100).with_values(jnp.ones((2, 8)))
   emb = {"e": jnp.zeros((100, 8))}
   tx = ak.sparse_adam(0.1, backend="kernel")
   refused(jax.jit(tx.update), {"e": short}, tx.init(emb), emb)
   refused(lambda: ak.apply_updates(emb, {"e": short}, backend="kernel"))
   fopt = ak.fused_adam(0.1, backend="kernel")
-  refused(jax.jit(fopt.step), emb, fopt.init(emb), {"e": short})
+  refused(jax.jit(fopt.step), emb, fopt.init(emb), grads={"e": short})
 
   # --- each kernel called directly with mismatched buffers: the handler itself refuses
   f32 = lambda *s: jnp.zeros(s, jnp.float32)

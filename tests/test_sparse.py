@@ -666,10 +666,10 @@ def _fused_and_named(opt, tx, params, rng, n, d, *, unique=False):
     grads = {"emb": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
              "gamma": ak.RowSparse(ids, rng.normal(size=(20, d)).astype(np.float32), n),
              "w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
-    fp, fs = step(fp, fs, grads)
+    fp, fs = step(fp, fs, grads=grads)
     updates, rs = tx.update(grads, rs, rp)
     rp = ak.apply_updates(rp, updates, backend="xla")
-  return fp, fs, rp, rs, touched, step.lower(fp, fs, grads).as_text()
+  return fp, fs, rp, rs, touched, step.lower(fp, fs, grads=grads).as_text()
 
 
 @pytest.mark.parametrize("multi_tensor", [True, False])
@@ -714,11 +714,11 @@ def test_fused_step_million_row_table_in_place(kernel):
   grads = {"embed": ak.RowSparse(jnp.array([0, 17, 17, 999_999]), jnp.ones((4, d)), n),
            "w": jnp.ones((d,))}
   jstep = jax.jit(opt.step, donate_argnums=(0, 1))
-  mem = jstep.lower(params, state, grads).compile().memory_analysis()
+  mem = jstep.lower(params, state, grads=grads).compile().memory_analysis()
   if mem is not None:
     assert mem.temp_size_in_bytes < n * d * 4 // 50, mem.temp_size_in_bytes
     assert mem.alias_size_in_bytes >= 3 * n * d * 4, mem.alias_size_in_bytes
-  params, state = jstep(params, state, grads)
+  params, state = jstep(params, state, grads=grads)
   moved = np.flatnonzero(np.any(np.asarray(params["embed"]) != 0, axis=1))
   assert moved.tolist() == [0, 17, 999_999]
 
@@ -727,7 +727,8 @@ def test_fused_adamax_refuses_row_sparse():
   opt = ak.fused_adamax(0.1)
   params = {"e": jnp.zeros((4, 2))}
   with pytest.raises(TypeError, match="todense"):
-    opt.step(params, opt.init(params), {"e": ak.RowSparse(jnp.array([1]), jnp.ones((1, 2)), 4)})
+    opt.step(params, opt.init(params),
+             grads={"e": ak.RowSparse(jnp.array([1]), jnp.ones((1, 2)), 4)})
 
 
 def test_kernel_steps_batch_under_vmap(kernel):
@@ -743,7 +744,7 @@ def test_kernel_steps_batch_under_vmap(kernel):
     u, _ = tx.update({"e": ak.RowSparse(ids, vals, n)}, tx.init(p), p)
     sparse = ak.apply_updates(p, u, backend=backend)["e"]
     opt = ak.fused_adam(0.1, backend=backend)
-    fused = opt.step(p, opt.init(p), {"e": ak.RowSparse(ids, vals, n)})[0]["e"]
+    fused = opt.step(p, opt.init(p), grads={"e": ak.RowSparse(ids, vals, n)})[0]["e"]
     return sparse, fused
 
   tables = jnp.zeros((3, n, d))
@@ -772,7 +773,7 @@ def test_values_with_fewer_rows_than_ids_are_refused(backend):
     jax.jit(tx.update)({"emb": _short_values()}, tx.init(params), params)
   opt = ak.fused_adam(0.1, backend=backend)
   with pytest.raises(ValueError, match="'emb' has 4 ids"):
-    jax.jit(opt.step)(params, opt.init(params), {"emb": _short_values()})
+    jax.jit(opt.step)(params, opt.init(params), grads={"emb": _short_values()})
   with pytest.raises(ValueError, match="one row of values per id"):
     ak.apply_updates(params, {"emb": _short_values()}, backend=backend)
 
@@ -788,7 +789,7 @@ def test_empty_batch(backend):
   for mt in (True, False):
     opt = ak.fused_adam(0.1, backend=backend, multi_tensor=mt)
     new, state = jax.jit(opt.step)({"e": table}, opt.init({"e": table}),
-                                   {"e": ak.RowSparse(ids, vals, 50)})
+                                   grads={"e": ak.RowSparse(ids, vals, 50)})
     np.testing.assert_array_equal(np.asarray(new["e"]), np.asarray(table))
     assert int(state.count) == 1
 
@@ -820,7 +821,7 @@ def test_narrow_ids_for_a_larger_table(backend, dtype):
       g = {"e": ak.RowSparse(ids, jnp.ones((3, 4)), 300)}
       updates, _ = tx.update(g, tx.init({"e": table}), {"e": table})
       return (ak.apply_updates({"e": table}, updates, backend=backend),
-              opt.step({"e": table}, opt.init({"e": table}), g)[0])
+              opt.step({"e": table}, opt.init({"e": table}), grads=g)[0])
 
     ids = jnp.array([5, 7, 5] if dtype == jnp.uint8 else [5, -3, 5], jnp.int32)
     want[ids_dtype] = both(ids.astype(ids_dtype))
