@@ -370,3 +370,55 @@ def store(x: jax.Array, like: Any) -> Any:
   if is_qarray(like):
     return quantize(x, like.fmt)
   return x.astype(like.dtype)
+
+
+# ----------------------------------------------------------------------------- table rows
+#
+# A table ``(N, *row)`` that takes row-sparse gradients is updated a row at a time, so its
+# moments' blocks must never span two rows: then codes and scales both lead with the N
+# rows, and the k touched rows are gathered, updated and scattered back with their scales
+# while every other row keeps its bits.
+
+
+def rows_apart(shape: tuple, fmt: Format) -> bool:
+  """Whether a moment of ``shape`` stored in ``fmt`` has no block spanning two rows (its
+  codes and scales lead with ``shape[0]``): the last axis is a multiple of the block, or
+  the block is one whole row."""
+  if len(shape) < 2:
+    return False
+  return (shape[-1] > 0 and shape[-1] % fmt.block_size == 0) or \
+      fmt.block_size == math.prod(shape[1:])
+
+
+def table_format(q: Quantized, role: str, shape: tuple) -> Format:
+  """The format of a moment of a table of ``shape`` in a sparse optimizer: ``q``'s block
+  when it divides the last axis (blocks within rows, as :func:`quantize` lays them out
+  anyway), else one block per row (``prod(shape[1:])`` elements, any count). A 1-D leaf,
+  or an empty row, keeps ``q``'s own format."""
+  fmt = resolve(q, role)
+  row = math.prod(shape[1:])
+  if len(shape) >= 2 and row > 0 and not rows_apart(shape, fmt):
+    return Format(fmt.kind, role, row)
+  return fmt
+
+
+def init_table_moment(p: Any, fmt: Any, role: str) -> Any:
+  """:func:`init_moment` with :func:`table_format`'s layout (see there)."""
+  if not is_quantized(fmt):
+    return init_moment(p, fmt, role)
+  if np.size(p) < fmt.min_size:
+    return jnp.zeros_like(p, dtype=jnp.float32)
+  return zeros(tuple(np.shape(p)), table_format(fmt, role, tuple(np.shape(p))))
+
+
+def take_rows(q: QuantizedArray, take) -> QuantizedArray:
+  """The rows of a table moment that ``take`` selects: ``take`` (an op on the leading
+  axis, a gather) is applied to the codes and the scales alike (see :func:`rows_apart`)."""
+  codes, scales = take(q.codes), take(q.scales)
+  return QuantizedArray(codes, scales, (codes.shape[0], *q.shape[1:]), q.fmt)
+
+
+def put_rows(q: QuantizedArray, put, rows: QuantizedArray) -> QuantizedArray:
+  """``q`` with ``rows`` (from :func:`take_rows`, then updated) written back by ``put(x,
+  new)`` (an op on the leading axis, a scatter) into the codes and the scales alike."""
+  return QuantizedArray(put(q.codes, rows.codes), put(q.scales, rows.scales), q.shape, q.fmt)
