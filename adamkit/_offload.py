@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from adamkit import _adam, _compat, _masks, _validate
+from adamkit import _adam, _compat, _masks, _quant, _validate
 from adamkit._fused import FlatMoments, FusedStep
 from adamkit._sparse_types import (
     RowSparse,
@@ -360,15 +360,18 @@ def _update_touched_rows(inner, updates, state, params, extra):
     """The sparse table a state leaf mirrors, or None."""
     path = tuple(path)
     for t_path, (_, n, row) in tables.items():
-      if path[len(path) - len(t_path):] == t_path and np.shape(leaf) == (n, *row):
+      if path[len(path) - len(t_path):] == t_path and np.shape(leaf) == (n, *row) and (
+          not _quant.is_qarray(leaf) or _quant.rows_apart(leaf.shape, leaf.fmt)):
         return t_path
     return None
 
-  s_flat, s_def = jax.tree_util.tree_flatten_with_path(state)
+  # A quantized moment (codes and scales, blocks within rows) is one leaf here: its rows
+  # are gathered and scattered with their scales.
+  s_flat, s_def = jax.tree_util.tree_flatten_with_path(state, is_leaf=_quant.is_qarray)
   owners = [table_of(path, leaf) for path, leaf in s_flat]
   host_ids = {t: jax.device_put(tables[t][0], _compat.HOST) for t in tables}
   reduced_state = s_def.unflatten([
-      jax.device_put(leaf, _compat.DEVICE) if t is None else _host_gather(leaf, host_ids[t])
+      jax.device_put(leaf, _compat.DEVICE) if t is None else _rows_on_host(leaf, host_ids[t])
       for (_, leaf), t in zip(s_flat, owners)])
 
   u, new_state = inner.update(reduced_updates, reduced_state, reduced_params, **extra)
@@ -390,9 +393,23 @@ def _update_touched_rows(inner, updates, state, params, extra):
   new_flat = s_def.flatten_up_to(new_state)
   out_state = s_def.unflatten([
       _to_host(new) if t is None
-      else _host_scatter(old, host_ids[t], new)
+      else _rows_to_host(old, host_ids[t], new)
       for (_, old), new, t in zip(s_flat, new_flat, owners)])
   return out_u, out_state
+
+
+def _rows_on_host(leaf, ids):
+  """:func:`_host_gather` of a state leaf, a quantized one's codes and scales alike."""
+  if _quant.is_qarray(leaf):
+    return _quant.take_rows(leaf, lambda x: _host_gather(x, ids))
+  return _host_gather(leaf, ids)
+
+
+def _rows_to_host(leaf, ids, rows):
+  """:func:`_host_scatter` of a state leaf, a quantized one's codes and scales alike."""
+  if _quant.is_qarray(leaf):
+    return _quant.put_rows(leaf, lambda x, r: _host_scatter(x, ids, r), rows)
+  return _host_scatter(leaf, ids, rows)
 
 
 # --------------------------------------------------------------------- the wrapper

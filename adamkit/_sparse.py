@@ -217,11 +217,6 @@ class ScaleBySparseAdamState(NamedTuple):
 def _init_moments(params, fmt, role: str):
   """Zero moments for every leaf in ``fmt`` (a quantized table keeps its blocks within rows,
   :func:`adamkit._quant.table_format`)."""
-  if _quant.is_quantized(fmt):
-    for name, p in zip(leaf_names(params), jax.tree.leaves(params)):
-      if jnp.iscomplexobj(p):
-        raise TypeError(f"A quantized moment format ({role}_dtype={fmt}) takes real parameters "
-                        f"only; leaf '{name}' is {jnp.result_type(p)}: use a float dtype.")
   return jax.tree.map(lambda p: _quant.init_table_moment(p, fmt, role), params)
 
 
