@@ -408,7 +408,39 @@ def init_table_moment(p: Any, fmt: Any, role: str) -> Any:
     return init_moment(p, fmt, role)
   if np.size(p) < fmt.min_size:
     return jnp.zeros_like(p, dtype=jnp.float32)
-  return zeros(tuple(np.shape(p)), table_format(fmt, role, tuple(np.shape(p))))
+  return place_like(zeros(tuple(np.shape(p)), table_format(fmt, role, tuple(np.shape(p)))), p)
+
+
+def place_like(q: QuantizedArray, p: Any) -> QuantizedArray:
+  """``q`` placed where param ``p`` is, as ``jnp.zeros_like(p)`` would be: on its device
+  when ``p`` is committed there, or over its mesh, the codes and scales split along the
+  param's leading axes (a row-sharded table keeps its rows' codes and scales on the rows'
+  device); a split last axis carries over to the blocks' axis when it divides the blocks,
+  else the blocks are replicated. Traced or abstract params: ``q`` as it is."""
+  sharding = getattr(p, "sharding", None)
+  if not isinstance(p, jax.Array) or isinstance(p, jax.core.Tracer) or not p.committed:
+    return q
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (len(q.shape) - len(sharding.spec))
+    size = lambda axes: math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple)  # noqa: E731
+                                                          else (axes,)))
+    lead = q.scales.ndim - 1  # the leaf's axes that codes and scales keep
+    if q.scales.shape[:lead] == tuple(q.shape[:lead]) and q.codes.ndim == len(q.shape) + 1:
+      blocks = spec[-1] if spec[-1] is not None and q.scales.shape[-1] % size(spec[-1]) == 0 \
+          else None
+      s_spec = spec[:lead] + (blocks,)
+    elif rows_apart(q.shape, q.fmt):  # (rows, one block each)
+      s_spec = spec[:1]
+    else:
+      s_spec = (None,) * q.scales.ndim
+    c_spec = s_spec + (None,)
+    named = lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s),  # noqa: E731
+                                                 memory_kind=sharding.memory_kind)
+    return QuantizedArray(jax.device_put(q.codes, named(c_spec)),
+                          jax.device_put(q.scales, named(s_spec)), q.shape, q.fmt)
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return jax.device_put(q, sharding)
+  return q
 
 
 def take_rows(q: QuantizedArray, take) -> QuantizedArray:
