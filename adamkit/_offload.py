@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from adamkit import _adam, _compat, _masks, _validate
+from adamkit import _adam, _compat, _masks, _quant, _validate
 from adamkit._fused import FlatMoments, FusedStep
 from adamkit._sparse_types import (
     RowSparse,
@@ -361,11 +361,14 @@ def _update_touched_rows(inner, updates, state, params, extra):
     """The sparse table a state leaf mirrors, or None."""
     path = tuple(path)
     for t_path, (_, n, row) in tables.items():
-      if path[len(path) - len(t_path):] == t_path and np.shape(leaf) == (n, *row):
+      if path[len(path) - len(t_path):] == t_path and np.shape(leaf) == (n, *row) and (
+          not _quant.is_qarray(leaf) or _quant.rows_apart(leaf.shape, leaf.fmt)):
         return t_path
     return None
 
-  s_flat, s_def = jax.tree_util.tree_flatten_with_path(state)
+  # A quantized moment (codes and scales, blocks within rows) is one leaf here: its rows
+  # are gathered and scattered with their scales.
+  s_flat, s_def = jax.tree_util.tree_flatten_with_path(state, is_leaf=_quant.is_qarray)
   owners = [table_of(path, leaf) for path, leaf in s_flat]
   on_host = [_typed_host(leaf) for _, leaf in s_flat]
   host_ids = {t: jax.device_put(tables[t][0], _compat.HOST) for t in tables}
@@ -382,8 +385,12 @@ def _update_touched_rows(inner, updates, state, params, extra):
     if t is None:
       return jax.device_put(leaf, _compat.DEVICE)
     if host:
-      return _host_gather(leaf, host_ids[t])
-    return gather_rows(jax.device_put(leaf, _compat.DEVICE), tables[t][0])
+      return _rows_on_host(leaf, host_ids[t])
+    ids = tables[t][0]
+    leaf = jax.device_put(leaf, _compat.DEVICE)
+    if _quant.is_qarray(leaf):
+      return _quant.take_rows(leaf, lambda x: gather_rows(x, ids))
+    return gather_rows(leaf, ids)
 
   reduced_state = s_def.unflatten([gather(leaf, t, host)
                                    for (_, leaf), t, host in zip(s_flat, owners, on_host)])
@@ -408,10 +415,13 @@ def _update_touched_rows(inner, updates, state, params, extra):
     if t is None:
       return _to_host(new)
     if host:
-      return _host_scatter(old, host_ids[t], new)
+      return _rows_to_host(old, host_ids[t], new)
     # A table typed as device memory (just restored, see _typed_host): scattered on the
     # device and sent to host memory whole, this step only; the next finds it host-typed.
-    return _to_host(scatter_rows(jax.device_put(old, _compat.DEVICE), tables[t][0], new))
+    ids, old = tables[t][0], jax.device_put(old, _compat.DEVICE)
+    if _quant.is_qarray(old):
+      return _to_host(_quant.put_rows(old, lambda x, r: scatter_rows(x, ids, r), new))
+    return _to_host(scatter_rows(old, ids, new))
 
   new_flat = s_def.flatten_up_to(new_state)
   out_state = s_def.unflatten([scatter(old, new, t, host) for (_, old), new, t, host
@@ -432,8 +442,24 @@ def _typed_host(leaf) -> bool:
   by shardings, which do not show the type, so the step compiled for that first state
   keeps the device path.
   """
+  if _quant.is_qarray(leaf):
+    return _typed_host(leaf.codes) and _typed_host(leaf.scales)
   aval = getattr(leaf, "aval", None)
   return getattr(aval, "memory_space", None) == _compat.HOST
+
+
+def _rows_on_host(leaf, ids):
+  """:func:`_host_gather` of a state leaf, a quantized one's codes and scales alike."""
+  if _quant.is_qarray(leaf):
+    return _quant.take_rows(leaf, lambda x: _host_gather(x, ids))
+  return _host_gather(leaf, ids)
+
+
+def _rows_to_host(leaf, ids, rows):
+  """:func:`_host_scatter` of a state leaf, a quantized one's codes and scales alike."""
+  if _quant.is_qarray(leaf):
+    return _quant.put_rows(leaf, lambda x, r: _host_scatter(x, ids, r), rows)
+  return _host_scatter(leaf, ids, rows)
 
 
 # --------------------------------------------------------------------- the wrapper

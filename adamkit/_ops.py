@@ -10,9 +10,12 @@ a write outside a buffer.
 The state of a step is a tuple of moment buffers, ``(m, v)``, or ``(m, v, vmax)`` with
 AMSGrad (:attr:`Hyper.amsgrad`), each with an optional offset: ``None`` means the buffer is
 the leaf's own array (shaped like the param); an int means the leaf's moment lies flat in
-the 1-D buffer from that element (the multi-tensor layout of ``ak.fused_adam``). The rule
-of a step (eps placement, Nesterov, AMSGrad, L2 or decoupled decay, bias correction or
-none) is its :class:`Hyper`.
+the 1-D buffer from that element (the multi-tensor layout of ``ak.fused_adam``). A
+table's own moment may also be stored quantized (:class:`adamkit._quant.QuantizedArray`,
+blocks within rows): the lazy row step then reads and writes the touched rows' codes and
+scales, always in XLA (the kernel takes float32 buffers). The rule of a step (eps
+placement, Nesterov, AMSGrad, L2 or decoupled decay, bias correction or none) is its
+:class:`Hyper`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from adamkit import _backend, _row_sharded
+from adamkit import _backend, _quant, _row_sharded
 from adamkit._adam import adam_direction, amsgrad_direction
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
@@ -255,10 +258,26 @@ def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
   ids = safe_ids(g.indices, g.num_rows)
   tables = [view(buf, a, table_shape) for buf, a in zip(state, at)]
   dt = compute_dtype(g.values)
-  u, *rows = direction(h, g.values.astype(dt), *(gather_rows(t, ids).astype(dt) for t in tables))
-  state = tuple(put(buf, a, scatter_rows(t, ids, r))
-                for buf, a, t, r in zip(state, at, tables, rows))
+  u, *rows = direction(h, g.values.astype(dt), *(_take(t, ids).astype(dt) for t in tables))
+  state = tuple(put(buf, a, _put(t, ids, r)) for buf, a, t, r in zip(state, at, tables, rows))
   return ids, u, state
+
+
+def _take(table, ids):
+  """The rows ``ids`` of a table's moment, as stored or dequantized (float32): a quantized
+  moment gathers the rows' codes and scales only."""
+  if _quant.is_qarray(table):
+    return _quant.dequantize(_quant.take_rows(table, lambda x: gather_rows(x, ids)))
+  return gather_rows(table, ids)
+
+
+def _put(table, ids, rows):
+  """``table`` with ``rows`` written at ``ids``; a quantized moment requantizes the rows
+  (each row its own blocks) and scatters their codes and scales."""
+  if _quant.is_qarray(table):
+    new = _quant.quantize(rows, table.fmt)
+    return _quant.put_rows(table, lambda x, r: scatter_rows(x, ids, r), new)
+  return scatter_rows(table, ids, rows)
 
 
 def lazy_row_step(h: Hyper, p, g: RowSparse, state, *, at: Sequence[int | None] | None = None,
@@ -316,7 +335,8 @@ def _row_layout(h: Hyper, state, at):
   """The row split of per-leaf Adam moments sharded over several devices (see
   :mod:`adamkit._row_sharded`), or ``None``: XLA's own partitioning then (flat
   multi-tensor buffers, AdaMax, and AMSGrad's third buffer are not routed)."""
-  if h.kind == "adamax" or h.amsgrad or len(state) != 2 or any(a is not None for a in at):
+  if h.kind == "adamax" or h.amsgrad or len(state) != 2 or any(a is not None for a in at) \
+     or any(_quant.is_qarray(x) for x in state):
     return None
   return _row_sharded.same_layout(*state)
 
@@ -326,10 +346,19 @@ def _check_row_step(h: Hyper, g, state, table_shape, at):
   at = (None,) * len(state) if at is None else tuple(at)
   check_rows(g, table_shape)
   for buf, a, name in zip(state, at, STATE_NAMES):
+    if _quant.is_qarray(buf) and (a is not None or not _quant.rows_apart(buf.shape, buf.fmt)):
+      raise ValueError(
+          f"The quantized {name} of a {tuple(table_shape)} table has blocks of "
+          f"{buf.fmt.block_size} elements spanning several rows: a lazy row step needs each "
+          "row's own blocks (a table of at least 2 dimensions, as ak.sparse_adam lays it "
+          "out, in its own array), or a float moment.")
     check_moments(buf, a, table_shape, name)
   return state, at
 
 
 def _use_row_kernel(backend, g, state, at, *table) -> bool:
+  """The row kernel takes float32 buffers: quantized moments stay in XLA, even when
+  forced (rule 3 of :mod:`adamkit._backend`)."""
+  fits = len(set(at)) == 1 and not any(_quant.is_qarray(x) for x in state)
   return _backend.use_kernel(backend, g.values, *state, *table, ids=g.indices,
-                             num_rows=g.num_rows, fits=len(set(at)) == 1)
+                             num_rows=g.num_rows, fits=fits)

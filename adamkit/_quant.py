@@ -370,3 +370,87 @@ def store(x: jax.Array, like: Any) -> Any:
   if is_qarray(like):
     return quantize(x, like.fmt)
   return x.astype(like.dtype)
+
+
+# ----------------------------------------------------------------------------- table rows
+#
+# A table ``(N, *row)`` that takes row-sparse gradients is updated a row at a time, so its
+# moments' blocks must never span two rows: then codes and scales both lead with the N
+# rows, and the k touched rows are gathered, updated and scattered back with their scales
+# while every other row keeps its bits.
+
+
+def rows_apart(shape: tuple, fmt: Format) -> bool:
+  """Whether a moment of ``shape`` stored in ``fmt`` has no block spanning two rows (its
+  codes and scales lead with ``shape[0]``): the last axis is a multiple of the block, or
+  the block is one whole row."""
+  if len(shape) < 2:
+    return False
+  return (shape[-1] > 0 and shape[-1] % fmt.block_size == 0) or \
+      fmt.block_size == math.prod(shape[1:])
+
+
+def table_format(q: Quantized, role: str, shape: tuple) -> Format:
+  """The format of a moment of a table of ``shape`` in a sparse optimizer: ``q``'s block
+  when it divides the last axis (blocks within rows, as :func:`quantize` lays them out
+  anyway), else one block per row (``prod(shape[1:])`` elements, any count). A 1-D leaf,
+  or an empty row, keeps ``q``'s own format."""
+  fmt = resolve(q, role)
+  row = math.prod(shape[1:])
+  if len(shape) >= 2 and row > 0 and not rows_apart(shape, fmt):
+    return Format(fmt.kind, role, row)
+  return fmt
+
+
+def init_table_moment(p: Any, fmt: Any, role: str) -> Any:
+  """:func:`init_moment` with :func:`table_format`'s layout (see there)."""
+  if not is_quantized(fmt):
+    return init_moment(p, fmt, role)
+  if np.size(p) < fmt.min_size:
+    return jnp.zeros_like(p, dtype=jnp.float32)
+  return place_like(zeros(tuple(np.shape(p)), table_format(fmt, role, tuple(np.shape(p)))), p)
+
+
+def place_like(q: QuantizedArray, p: Any) -> QuantizedArray:
+  """``q`` placed where param ``p`` is, as ``jnp.zeros_like(p)`` would be: on its device
+  when ``p`` is committed there, or over its mesh, the codes and scales split along the
+  param's leading axes (a row-sharded table keeps its rows' codes and scales on the rows'
+  device); a split last axis carries over to the blocks' axis when it divides the blocks,
+  else the blocks are replicated. Traced or abstract params: ``q`` as it is."""
+  sharding = getattr(p, "sharding", None)
+  if not isinstance(p, jax.Array) or isinstance(p, jax.core.Tracer) or not p.committed:
+    return q
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (len(q.shape) - len(sharding.spec))
+    size = lambda axes: math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple)  # noqa: E731
+                                                          else (axes,)))
+    lead = q.scales.ndim - 1  # the leaf's axes that codes and scales keep
+    if q.scales.shape[:lead] == tuple(q.shape[:lead]) and q.codes.ndim == len(q.shape) + 1:
+      blocks = spec[-1] if spec[-1] is not None and q.scales.shape[-1] % size(spec[-1]) == 0 \
+          else None
+      s_spec = spec[:lead] + (blocks,)
+    elif rows_apart(q.shape, q.fmt):  # (rows, one block each)
+      s_spec = spec[:1]
+    else:
+      s_spec = (None,) * q.scales.ndim
+    c_spec = s_spec + (None,)
+    named = lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s),  # noqa: E731
+                                                 memory_kind=sharding.memory_kind)
+    return QuantizedArray(jax.device_put(q.codes, named(c_spec)),
+                          jax.device_put(q.scales, named(s_spec)), q.shape, q.fmt)
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return jax.device_put(q, sharding)
+  return q
+
+
+def take_rows(q: QuantizedArray, take) -> QuantizedArray:
+  """The rows of a table moment that ``take`` selects: ``take`` (an op on the leading
+  axis, a gather) is applied to the codes and the scales alike (see :func:`rows_apart`)."""
+  codes, scales = take(q.codes), take(q.scales)
+  return QuantizedArray(codes, scales, (codes.shape[0], *q.shape[1:]), q.fmt)
+
+
+def put_rows(q: QuantizedArray, put, rows: QuantizedArray) -> QuantizedArray:
+  """``q`` with ``rows`` (from :func:`take_rows`, then updated) written back by ``put(x,
+  new)`` (an op on the leading axis, a scatter) into the codes and the scales alike."""
+  return QuantizedArray(put(q.codes, rows.codes), put(q.scales, rows.scales), q.shape, q.fmt)

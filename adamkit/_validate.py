@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adamkit import _quant
 from adamkit._sparse_types import is_row_sparse
 from adamkit._tree import is_tracer as _is_tracer
 from adamkit._tree import path_name
@@ -263,13 +264,13 @@ def check_state(state: Any, want: type, optimizer: str, updates: Any) -> None:
   for field in want._fields:
     if field == "count":
       continue
-    moments = getattr(state, field)
-    if jax.tree.structure(moments) != u_def:
+    moments = getattr(state, field)  # a quantized moment (codes, scales) is one leaf here
+    if jax.tree.structure(moments, is_leaf=_quant.is_qarray) != u_def:
       raise ValueError(
           f"{optimizer}: state.{field} does not match the gradient tree (a state made for "
           f"other params?).\n  gradients: {u_def}\n  state.{field}: "
-          f"{jax.tree.structure(moments)}")
-    for (path, g), m in zip(flat, jax.tree.leaves(moments)):
+          f"{jax.tree.structure(moments, is_leaf=_quant.is_qarray)}")
+    for (path, g), m in zip(flat, jax.tree.leaves(moments, is_leaf=_quant.is_qarray)):
       dtype = getattr(m, "dtype", None)
       ok = dtype is not None and (jnp.issubdtype(dtype, jnp.floating)
                                   or jnp.issubdtype(dtype, jnp.complexfloating))

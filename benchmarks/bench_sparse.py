@@ -19,6 +19,9 @@ machine hits each alike.
 2. Against ``torch.optim.SparseAdam`` on the same ids and values and a dense ``ak.adam`` /
    ``optax.adam`` step fed the dense (N, D) gradient (gradient made beforehand; only the
    optimizer step and the update of the params are timed), as ratios.
+3. 8-bit moments (``mu_dtype="8bit", nu_dtype="8bit"``, one scale per row): the lazy step's
+   time (always XLA) against the float32 step on both backends, and the state's bytes per
+   table element measured from its arrays.
 
 Run:  python benchmarks/bench_sparse.py [--sizes 100000,1000000,4000000] [--reps 60]
 torch is optional (``pip install adamkit[bench]``); its column is skipped without it.
@@ -82,10 +85,10 @@ def interleaved_ms(runners: dict, reps: int, block: int = 8, settle: int = 2) ->
   return {key: 1e3 * statistics.median(t) for key, t in times.items()}
 
 
-def ak_sparse_runner(n, d, data, backend="auto"):
-  """A callable doing one jitted lazy step (table and state donated), and the step's
-  scratch memory in bytes."""
-  tx = ak.sparse_adam(1e-3, backend=backend)
+def ak_sparse_runner(n, d, data, backend="auto", moments=None):
+  """A callable doing one jitted lazy step (table and state donated), the step's scratch
+  memory in bytes, and the state's bytes. ``moments``: ``mu_dtype`` and ``nu_dtype``."""
+  tx = ak.sparse_adam(1e-3, backend=backend, mu_dtype=moments, nu_dtype=moments)
 
   def step(params, state, ids, vals):
     grads = {"emb": ak.RowSparse(ids, vals, n)}
@@ -99,6 +102,7 @@ def ak_sparse_runner(n, d, data, backend="auto"):
   compiled = jstep.lower(params, state, *dev[0]).compile()
   mem = compiled.memory_analysis()
   temp = None if mem is None else mem.temp_size_in_bytes
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   box = [params, state, 0]
 
   def run():
@@ -107,7 +111,10 @@ def ak_sparse_runner(n, d, data, backend="auto"):
     jax.block_until_ready(p)
     box[:] = [p, s, j + 1]
 
-  return run, temp
+  return run, temp, state_bytes
+
+
+VARIANTS = {"auto": ("auto", None), "xla": ("xla", None), "8bit": ("xla", "8bit")}
 
 
 def ak_fused_runner(n, d, data):
@@ -133,20 +140,21 @@ def ak_fused_runner(n, d, data):
 
 
 def lazy_timings(sizes, d, k, reps, variants):
-  """Median ms of each (size, variant), round-robin; and the ak.sparse_adam step's scratch."""
+  """Median ms of each (size, variant), round-robin; and the ak.sparse_adam steps' scratch
+  and state bytes, by (size, variant)."""
   data = {n: batches(n, k, d) for n in sizes}
-  runners, temps = {}, {}
+  runners, temps, state_bytes = {}, {}, {}
   for n in sizes:
     for v in variants:
       if v == "fused":
         runners[n, v] = ak_fused_runner(n, d, data[n])
       else:
-        runners[n, v], temp = ak_sparse_runner(n, d, data[n], v)
-        temps[n] = temps.get(n, temp)
+        runners[n, v], temps[n, v], state_bytes[n, v] = ak_sparse_runner(n, d, data[n],
+                                                                          *VARIANTS[v])
   ms = interleaved_ms(runners, reps)
   del runners
   gc.collect()
-  return ms, temps
+  return ms, temps, state_bytes
 
 
 def huge_page_timings(sizes, d, k, reps):
@@ -258,7 +266,7 @@ def main():
   sizes = [int(s) for s in args.sizes.split(",")]
   k, d = args.k, args.dim
   if args.child_lazy:  # the 2 MiB page run: kernel paths only, JSON on the last line
-    ms, _ = lazy_timings(sizes, d, k, args.reps, ("auto", "fused"))
+    ms, _, _ = lazy_timings(sizes, d, k, args.reps, ("auto", "fused"))
     print(json.dumps([[n, v, t] for (n, v), t in ms.items()]))
     return
   if torch is not None:
@@ -273,7 +281,8 @@ def main():
         f"{jax.devices()[0].platform} x{len(jax.devices())}; adamkit CPU kernels "
         f"{'built' if kernel else 'NOT BUILT (the kernel columns run XLA)'}; median ms of "
         f"{args.reps} steps ({args.dense_reps} for dense)")
-  lazy_ms, temps = lazy_timings(sizes, d, k, args.reps, ("auto", "xla", "fused"))
+  lazy_ms, temps, state_bytes = lazy_timings(sizes, d, k, args.reps,
+                                             ("auto", "xla", "fused", "8bit"))
   huge = None if args.no_huge_pages else huge_page_timings(sizes, d, k, args.reps)
   data = {n: batches(n, k, d) for n in sizes}
   floors = {(n, b): floor_runner(n, d, data[n], b) for n in sizes
@@ -303,7 +312,7 @@ def main():
          [[f"{n:,}", f"{lazy_ms[n, 'auto']:.3f}", f"{lazy_ms[n, 'fused']:.3f}",
            f"{lazy_ms[n, 'xla']:.3f}", f"{hp(n, 'auto'):.3f}", f"{hp(n, 'fused'):.3f}",
            f"{floor_ms[n, 'xla']:.3f}", f"{kfloor(n):.3f}",
-           "nan" if temps[n] is None else f"{temps[n] / 2**20:.2f}",
+           "nan" if temps[n, "auto"] is None else f"{temps[n, 'auto'] / 2**20:.2f}",
            f"{n * d * 4 / 2**20:.0f}"] for n in sizes])
   print("\n## 2. Against torch.optim.SparseAdam and dense Adam (time / ak's time)\n")
   _table(["rows N", "torch SparseAdam ms", "ak.adam dense ms", "optax.adam dense ms",
@@ -313,6 +322,14 @@ def main():
            f"{t / lazy_ms[n, 'fused']:.2f}x", f"{da / lazy_ms[n, 'auto']:.1f}x",
            f"{da / lazy_ms[n, 'fused']:.1f}x", f"{do / lazy_ms[n, 'fused']:.1f}x"]
           for n, (t, da, do) in others.items()])
+  print("\n## 3. 8-bit moments, one scale per row (the quantized lazy step runs in XLA)\n")
+  mb = lambda x: "nan" if x is None else f"{x / 2**20:.2f}"  # noqa: E731
+  _table(["rows N", "float32 ms", "float32 xla ms", "8-bit ms", "8-bit / float32 xla",
+          "state MB float32", "state MB 8-bit", "bytes/element 8-bit", "scratch MB 8-bit"],
+         [[f"{n:,}", f"{lazy_ms[n, 'auto']:.3f}", f"{lazy_ms[n, 'xla']:.3f}",
+           f"{lazy_ms[n, '8bit']:.3f}", f"{lazy_ms[n, '8bit'] / lazy_ms[n, 'xla']:.2f}x",
+           mb(state_bytes[n, "xla"]), mb(state_bytes[n, "8bit"]),
+           f"{state_bytes[n, '8bit'] / (n * d):.3f}", mb(temps[n, "8bit"])] for n in sizes])
   if len(sizes) > 1:
     big, small = sizes[-1], sizes[0]
     grow = lambda ms, v: ms[big, v] / ms[small, v]  # noqa: E731

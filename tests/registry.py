@@ -13,6 +13,10 @@ default) and per leaf, and under ``ak.master_weights``.
 """
 
 import adamkit as ak
+from adamkit._quant import Quantized  # ak.Quantized once exported
+
+# Quantized moments for every leaf of the small test params (the default min_size is 4096).
+Q8, Q4 = Quantized("8bit", min_size=0), Quantized("4bit", min_size=0)
 
 # name -> factory(learning_rate) of every optimizer the shared properties must hold for.
 REGISTRY = {
@@ -78,6 +82,13 @@ REGISTRY = {
     "adamw_bf16_kahan": lambda lr: ak.param_rounding(ak.adamw(lr, weight_decay=0.01), "kahan"),
     "adam_bf16_stochastic": lambda lr: ak.param_rounding(ak.adam(lr, weight_decay=0.01),
                                                          "stochastic", seed=7),
+    # issue 19: quantized moments of row-sparse tables (blocks within rows)
+    "sparse_adam_8bit": lambda lr: ak.sparse_adam(lr, mu_dtype=Q8, nu_dtype=Q8),
+    "sparse_adam_4bit_full": lambda lr: ak.sparse_adam(
+        lr, weight_decay=0.01, amsgrad=True, mu_dtype=Q4, nu_dtype=Q4, nonfinite="skip"),
+    "sparse_adamw_8bit": lambda lr: ak.sparse_adamw(lr, mu_dtype=Q8, nu_dtype=Q8),
+    "offload_sparse_adam_8bit_state": lambda lr: ak.offload(
+        ak.sparse_adam(lr, mu_dtype=Q8, nu_dtype=Q8), mode="state"),
 }
 
 NAMES = sorted(REGISTRY)
@@ -98,7 +109,8 @@ SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_
           "master_weights_sparse_adam", "sparse_adam_amsgrad", "sparse_adamw",
           "sparse_adamw_amsgrad_mindspore", "fused_adam", "fused_adam_per_leaf",
           "master_weights_fused_adam", "fused_adamw", "fused_adam_amsgrad_per_leaf",
-          "fused_adamw_amsgrad", "offload_fused_adam_state")
+          "fused_adamw_amsgrad", "offload_fused_adam_state", "sparse_adam_8bit",
+          "sparse_adam_4bit_full", "sparse_adamw_8bit", "offload_sparse_adam_8bit_state")
 
 # Their gradient accumulation: optax.MultiSteps cannot take a RowSparse (its accumulator is
 # zeros_like(params)); ak.multi_steps keeps k * n ids and rows per table instead. The same
@@ -121,4 +133,6 @@ OFFLOADED = {
     "offload_fused_adam_state": (ak.fused_adam, "state"),
     "offload_fused_adamax_compute": (lambda lr: ak.fused_adamax(lr, multi_tensor=False),
                                      "compute"),
+    "offload_sparse_adam_8bit_state": (lambda lr: ak.sparse_adam(lr, mu_dtype=Q8, nu_dtype=Q8),
+                                       "state"),
 }
