@@ -52,8 +52,7 @@ class Quantized:
     for both moments, plus a float32 scale per block (default 256: 2.03 bytes). As in
     the anchors, a :math:`v` under :math:`1.6\cdot 10^{-7}` of its block's maximum rounds
     to 0; where its :math:`m` does not, :math:`m/(\sqrt{v}+\epsilon)` is huge at the next
-    step, and on the low-memory guide's small MLP one run in six of the larger learning
-    rate diverges.
+    step: one of the low-memory guide's six checking runs of a small MLP diverges so.
   * ``"4bit"``: adamkit's 4-bit format. The first moment: 15 evenly spaced levels
     :math:`q_k = k/7`, :math:`k = -7 \dots 7`, in blocks of 128, rounded *stochastically*
     to one of the two neighbouring levels, up with probability
