@@ -321,8 +321,9 @@ def quality_table(runs: list[Run]) -> str:
   lines = ["| state storage | final train loss | vs float32 | test accuracy | NaN | state bytes/param |",
            "|---|---|---|---|---|---|"]
   for r in runs:
-    lines.append(f"| {r.name} | {r.final_loss:.4g} | {r.final_loss / ref.final_loss:.2f}x | "
-                 f"{100 * r.test_acc:.1f}% | {'yes' if r.nan else 'no'} | {r.bytes_per_param:.2f} |")
+    ratio = "diverged" if r.nan else f"{r.final_loss / ref.final_loss:.2f}x"
+    lines.append(f"| {r.name} | {r.final_loss:.4g} | {ratio} | {100 * r.test_acc:.1f}% | "
+                 f"{'yes' if r.nan else 'no'} | {r.bytes_per_param:.2f} |")
   return "\n".join(lines)
 
 
