@@ -36,28 +36,43 @@ class Quantized:
 
   .. math::
 
-    s_b = \max(\max_{i \in b} |x_i|,\ 10^{-12}), \qquad
-    c_i = \operatorname{argmin}_k |q_k - x_i / s_b|, \qquad
-    \tilde x_i = q_{c_i}\, s_b
+    s_b = \max(\max_{i \in b} |y_i|,\ 10^{-12}), \qquad
+    c_i = \mathrm{round}(y_i / s_b), \qquad
+    \tilde y_i = q_{c_i}\, s_b
 
-  for each block :math:`b` of ``block_size`` consecutive elements (C order), with the code
-  book :math:`q` of ``kind``:
+  for each block :math:`b` of ``block_size`` consecutive elements (C order), where
+  :math:`y` is the moment itself (first moment :math:`m`, and :math:`v` at 8 bits) or
+  :math:`\sqrt{v}` (second moment at 4 bits and fp8, read back as :math:`\tilde y^2`:
+  its dynamic range is the gradient's, not the square of it), and the code book :math:`q`
+  and the rounding depend on ``kind``:
 
   * ``"8bit"``: bitsandbytes' / torchao's format exactly. 256 codes of the "dynamic" map
     (7 decades :math:`10^{-6} \dots 1`, signed for the first moment, unsigned with twice
     the resolution for the second), nearest code, ties rounded up. 2 bytes per parameter
-    for both moments, plus a float32 scale per block (default 256: 2.03 bytes).
-  * ``"4bit"``: adamkit's 4-bit format. The first moment: the 16-code signed dynamic map
-    (3 decades), blocks of 128. The second moment is stored as :math:`\sqrt{v}` (whose
-    dynamic range is the gradient's, not its square) with a zero-free logarithmic map
-    :math:`q_k = 2^{-(15-k)/2}` (nearest in :math:`\log_2`, so the relative error is at
-    most :math:`2^{1/4}-1 \approx 19\%`), blocks of 256: a small :math:`v` is rounded up
-    to :math:`2^{-15}` of its block's maximum, never down to zero, so
-    :math:`m/(\sqrt{v}+\epsilon)` cannot explode. About 1.05 bytes per parameter.
-  * ``"fp8"``: float8 e4m3 codes (3 mantissa bits) of :math:`x/s_b \cdot 448`; the second
-    moment again as :math:`\sqrt{v}`, and a non-zero value never rounds to zero (it is
-    raised to the smallest subnormal, :math:`2^{-9}/448` of the block's maximum).
-    2.03 bytes per parameter.
+    for both moments, plus a float32 scale per block (default 256: 2.03 bytes). As in
+    the anchors, a :math:`v` under :math:`1.6\cdot 10^{-7}` of its block's maximum rounds
+    to 0; where its :math:`m` does not, :math:`m/(\sqrt{v}+\epsilon)` is huge at the next
+    step: one of the low-memory guide's six checking runs of a small MLP diverges so.
+  * ``"4bit"``: adamkit's 4-bit format. The first moment: 15 evenly spaced levels
+    :math:`q_k = k/7`, :math:`k = -7 \dots 7`, in blocks of 128, rounded *stochastically*
+    to one of the two neighbouring levels, up with probability
+    :math:`7 y/s_b - \lfloor 7 y/s_b \rfloor`, so :math:`E[\tilde m] = m`. The random
+    number is a hash of the value's float32 bits and of its place in the block:
+    deterministic (the same input gives the same codes, under ``jit`` or not, on every
+    backend) and without state. Nearest rounding instead lets a small :math:`m` stick to
+    a level that :math:`\beta_1 m` rounds back to, a bias that left the loss of the guide's
+    MLP at 3-4x float32's with any 16-level map (and torchao's 4-bit map at 13x). The
+    second moment: :math:`\sqrt{v}` on the zero-free logarithmic map
+    :math:`q_k = 2^{-(15-k)/2}`, :math:`k = 0 \dots 15` (nearest in :math:`\log_2`, so
+    within a factor :math:`2^{1/4}` of :math:`\sqrt{v}`), blocks of 256: a small
+    :math:`v` is rounded up to :math:`2^{-15}` of its block's maximum, never down to zero,
+    so :math:`m/(\sqrt{v}+\epsilon)` cannot explode. 1.05 bytes per parameter
+    (:math:`\tfrac12 + \tfrac{4}{128} + \tfrac12 + \tfrac{4}{256}`).
+  * ``"fp8"``: float8 e4m3 codes (3 mantissa bits, round to nearest even) of
+    :math:`y/s_b \cdot 448`, read back times :math:`s_b/448`; for the second moment
+    :math:`y = \sqrt{v}`, and a non-zero value never rounds to zero (it is raised to the
+    smallest subnormal, :math:`2^{-9}/448` of the block's maximum). 2.03 bytes per
+    parameter.
 
   The second-moment tricks are where adamkit differs from torchao's ``AdamW4bit`` (linear
   map for :math:`v` in blocks of 128) and ``AdamWFp8`` (e4m3 codes of :math:`v` itself):
@@ -149,6 +164,10 @@ def resolve(q: Quantized, role: str) -> Format:
 
 
 # ----------------------------------------------------------------------------- code books
+#
+# Each kind has an encoder (float32 r = x / scale -> uint8 codes) and a decoder (codes ->
+# float32 r), both elementwise. XLA:CPU runs a gather at about a fifth of the speed of an
+# elementwise pass, so the encoders use at most two small table lookups (8-bit) or none.
 
 
 def _dynamic_map(signed: bool, total_bits: int, exponent_bits: int) -> np.ndarray:
@@ -170,14 +189,19 @@ def _dynamic_map(signed: bool, total_bits: int, exponent_bits: int) -> np.ndarra
   return np.sort(np.asarray(values, np.float32))
 
 
+MU4_LEVELS = 7  # the 4-bit first moment's codes stand for k / 7, k = -7 .. 7
+SQRT2 = np.float32(math.sqrt(2.0))
+
+
 @functools.cache
 def code_book(kind: str, role: str) -> np.ndarray:
-  """The sorted float32 values a code stands for (``"fp8"``: none, the code is the value)."""
+  """The sorted float32 values a code stands for: code ``c`` reads back ``code_book[c]``
+  (``"fp8"``: none, the code is a float8 e4m3 number)."""
   if kind == "8bit":
     return _dynamic_map(role == "mu", 8, 7)
+  if kind == "4bit" and role == "mu":
+    return np.arange(-MU4_LEVELS, MU4_LEVELS + 1).astype(np.float32) * np.float32(1 / MU4_LEVELS)
   if kind == "4bit":
-    if role == "mu":
-      return _dynamic_map(True, 4, 3)
     return (2.0 ** (-(15 - np.arange(16)) / 2.0)).astype(np.float32)
   raise ValueError(f"the '{kind}' format has no code book")
 
@@ -188,17 +212,121 @@ def _midpoints(kind: str, role: str) -> np.ndarray:
   return ((q[:-1] + q[1:]) / np.float32(2.0)).astype(np.float32)
 
 
-def _nearest_code(r: jax.Array, kind: str, role: str) -> jax.Array:
-  """The index of the nearest code-book entry to ``r`` (ties up): the number of midpoints
-  ``<= r``, found by a branch-free binary search (one gather per bit, fuses elementwise)."""
-  mid = jnp.asarray(_midpoints(kind, role))
-  bits = int(math.log2(mid.shape[0] + 1))
-  half = 1 << (bits - 1)
-  code = jnp.where(r >= mid[half - 1], half, 0)  # the first probe is one scalar midpoint
-  for b in reversed(range(bits - 1)):
-    cand = code + (1 << b)
-    code = jnp.where(r >= mid[cand - 1], cand, code)
-  return code
+# 8-bit: the nearest code of r is the number of midpoints <= r (ties up). |r| is cut into
+# buckets, each binade [2^e, 2^(e+1)) split in 2^7 by the top 7 bits of the mantissa (all of
+# |r| < 2^-23 in the first bucket); no bucket holds two midpoints, so the count is a table
+# entry plus one comparison. Two lookups instead of a binary search's eight, same codes.
+_BUCKET_BITS = 7
+_BUCKET_E0 = 127 - 24  # biased exponent of the first binade with buckets of its own
+_BUCKET_LOW = 23 - _BUCKET_BITS
+
+
+@functools.cache
+def _bucket_tables(role: str) -> tuple[np.ndarray, np.ndarray, int]:
+  """``(below, first, zero)``: per bucket of ``|r|``, the number of positive midpoints under
+  the bucket and the first midpoint at or above its lower end (inf if none); ``zero`` is the
+  code of 0 (the number of negative midpoints)."""
+  mids = _midpoints("8bit", role)
+  pos = mids[mids > 0]
+  b = np.arange((127 - _BUCKET_E0 + 1) << _BUCKET_BITS, dtype=np.uint32)
+  lo_bits = (((b >> _BUCKET_BITS) + _BUCKET_E0) << 23) | ((b & ((1 << _BUCKET_BITS) - 1)) << _BUCKET_LOW)
+  lo = lo_bits.view(np.float32).copy()
+  lo[b < (1 << _BUCKET_BITS)] = 0.0  # the first binade also holds everything tinier
+  hi = (lo_bits | ((1 << _BUCKET_LOW) - 1)).view(np.float32)
+  below = np.searchsorted(pos, lo, side="left")
+  if np.any(np.searchsorted(pos, hi, side="right") - below > 1):  # pragma: no cover - by design
+    raise AssertionError("an 8-bit bucket holds two midpoints")
+  first = np.append(pos, np.float32(np.inf)).astype(np.float32)[below]
+  return below.astype(np.uint8), first, int(mids.size - pos.size)
+
+
+def _encode_8bit(r: jax.Array, role: str) -> jax.Array:
+  below, first, zero = _bucket_tables(role)
+  a = jnp.abs(r)
+  bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+  e = bits >> 23
+  bucket = ((jnp.clip(e, _BUCKET_E0, 127) - _BUCKET_E0) << _BUCKET_BITS) | (
+    (bits >> _BUCKET_LOW) & ((1 << _BUCKET_BITS) - 1))
+  bucket = jnp.where(e < _BUCKET_E0, 0, bucket).astype(jnp.int32)
+  n_below = jnp.asarray(below)[bucket].astype(jnp.int32)
+  m = jnp.asarray(first)[bucket]
+  n_le = n_below + (a >= m).astype(jnp.int32)  # midpoints <= |r|
+  n_lt = n_below + (a > m).astype(jnp.int32)  # midpoints < |r|
+  # r < 0: the negative midpoints <= r are the mirror images of the positive ones >= |r|
+  code = jnp.where(jnp.signbit(r), zero - jnp.minimum(n_lt, zero), zero + n_le)
+  return code.astype(jnp.uint8)
+
+
+def _hash32(h: jax.Array) -> jax.Array:
+  """A 32-bit integer hash (Wellons' "lowbias32"): each input bit flips about half of the
+  output bits."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * jnp.uint32(0x846CA68B)
+  return h ^ (h >> 16)
+
+
+def _dither(r: jax.Array) -> jax.Array:
+  """A number in [0, 1) per element, multiple of 2^-24: a hash of ``r``'s float32 bits and
+  of its place in the block (last axis). Deterministic, no random state."""
+  place = jax.lax.broadcasted_iota(jnp.uint32, r.shape, r.ndim - 1)
+  h = _hash32(jax.lax.bitcast_convert_type(r, jnp.uint32) ^ (place * jnp.uint32(0x9E3779B9)))
+  return (h >> 8).astype(jnp.float32) * np.float32(2.0 ** -24)
+
+
+def _encode_4bit_mu(r: jax.Array) -> jax.Array:
+  y = r * np.float32(MU4_LEVELS)
+  lo = jnp.floor(y)
+  k = lo + (_dither(r) < y - lo).astype(jnp.float32)  # up with probability y - lo
+  return (jnp.clip(k, -MU4_LEVELS, MU4_LEVELS) + MU4_LEVELS).astype(jnp.uint8)
+
+
+def _decode_4bit_mu(codes: jax.Array) -> jax.Array:
+  return (codes.astype(jnp.int32) - MU4_LEVELS).astype(jnp.float32) * np.float32(1 / MU4_LEVELS)
+
+
+# The 4-bit second moment (of sqrt(v)): code k stands for 2^((k-15)/2); r rounds to the
+# nearest in log2, that is 15 + 2 e + [m >= 2^(1/4)] + [m >= 2^(3/4)] for r = m 2^e,
+# m in [1, 2), read from the float32 bits (no log, the same on every backend).
+_NU4_QUARTER = int(np.float32(2.0 ** 0.25).view(np.uint32)) & 0x7FFFFF
+_NU4_THREE_QUARTERS = int(np.float32(2.0 ** 0.75).view(np.uint32)) & 0x7FFFFF
+
+
+def _encode_4bit_nu(r: jax.Array) -> jax.Array:
+  bits = jax.lax.bitcast_convert_type(jnp.maximum(r, 0.0), jnp.uint32)
+  e = (bits >> 23).astype(jnp.int32) - 127
+  mant = bits & 0x7FFFFF
+  k = 15 + 2 * e + (mant >= _NU4_QUARTER).astype(jnp.int32) + (mant >= _NU4_THREE_QUARTERS).astype(jnp.int32)
+  return jnp.clip(k, 0, 15).astype(jnp.uint8)
+
+
+def _decode_4bit_nu(codes: jax.Array) -> jax.Array:
+  half = codes.astype(jnp.int32) - 15  # 2 log2 of the value
+  power = jax.lax.bitcast_convert_type(((half >> 1) + 127) << 23, jnp.float32)  # 2^floor(half/2)
+  return jnp.where((half & 1) == 1, power * SQRT2, power)
+
+
+# fp8: float8 e4m3fn (4 exponent bits, bias 7; 3 mantissa bits; no infinities), rounded to
+# nearest even. Written with integer ops: XLA:CPU's own conversion is four times slower.
+def _encode_fp8(y: jax.Array) -> jax.Array:
+  """e4m3fn codes of ``y`` in [-448, 448]."""
+  a = jnp.abs(y)
+  bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+  rounded = bits + 0x7FFFF + ((bits >> 20) & 1)  # to 3 mantissa bits, ties to even
+  normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)
+  subnormal = jnp.round(a * np.float32(512.0)).astype(jnp.uint32)  # multiples of 2^-9 (8: 2^-6)
+  code = jnp.where(a < np.float32(2.0 ** -6), subnormal, normal)
+  sign = (jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31) << 7
+  return (code | sign).astype(jnp.uint8)
+
+
+def _decode_fp8(codes: jax.Array) -> jax.Array:
+  c = codes.astype(jnp.uint32)
+  e, m = (c >> 3) & 15, c & 7
+  normal = jax.lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+  value = jnp.where(e == 0, m.astype(jnp.float32) * np.float32(2.0 ** -9), normal)
+  return jnp.where(c >= 128, -value, value)
 
 
 # ----------------------------------------------------------------------------- the array
@@ -271,21 +399,22 @@ def _from_blocks(xb: jax.Array, shape: tuple) -> jax.Array:
 
 def _encode(r: jax.Array, fmt: Format) -> jax.Array:
   """Codes (uint8) of ``r = x / scale`` in [-1, 1] (``"mu"``) or [0, 1] (``"nu"``)."""
-  if fmt.kind == "fp8":
-    y = jnp.clip(r * FP8_MAX, -FP8_MAX, FP8_MAX)
-    if fmt.role == "nu":  # never round a positive value to zero
-      y = jnp.where(y > 0, jnp.maximum(y, FP8_TINY), y)
-    return jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8)
-  if fmt.kind == "4bit" and fmt.role == "nu":
-    code = jnp.round(15.0 + 2.0 * jnp.log2(jnp.maximum(r, 2.0 ** -16)))
-    return jnp.clip(code, 0, 15).astype(jnp.uint8)
-  return _nearest_code(r, fmt.kind, fmt.role).astype(jnp.uint8)
+  if fmt.kind == "8bit":
+    return _encode_8bit(r, fmt.role)
+  if fmt.kind == "4bit":
+    return _encode_4bit_mu(r) if fmt.role == "mu" else _encode_4bit_nu(r)
+  y = jnp.clip(r * np.float32(FP8_MAX), -FP8_MAX, FP8_MAX)
+  if fmt.role == "nu":  # never round a positive value to zero
+    y = jnp.where(y > 0, jnp.maximum(y, FP8_TINY), y)
+  return _encode_fp8(y)
 
 
 def _decode(codes: jax.Array, fmt: Format) -> jax.Array:
-  if fmt.kind == "fp8":
-    return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) / FP8_MAX
-  return jnp.asarray(code_book(fmt.kind, fmt.role))[codes.astype(jnp.int32)]
+  if fmt.kind == "8bit":
+    return jnp.asarray(code_book(fmt.kind, fmt.role))[codes.astype(jnp.int32)]
+  if fmt.kind == "4bit":
+    return _decode_4bit_mu(codes) if fmt.role == "mu" else _decode_4bit_nu(codes)
+  return _decode_fp8(codes) * np.float32(1 / FP8_MAX)
 
 
 def _pack4(codes: jax.Array) -> jax.Array:

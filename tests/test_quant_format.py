@@ -1,0 +1,325 @@
+"""The low-bit storage formats of adamkit._quant: code books, encoders, round trips, layout.
+
+References are independent float64 / NumPy computations: the code book from its defining
+formula, the nearest code by brute force over the book, the float8 e4m3 numbers from
+``ml_dtypes`` (NumPy's float8 type that JAX itself uses).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from adamkit import _quant as Q
+
+KIND_ROLES = [(k, r) for k in Q.KINDS for r in Q.ROLES]
+
+
+def fmt(kind, role, block=None):
+  return Q.resolve(Q.Quantized(kind, block), role)
+
+
+# ----------------------------------------------------------------------------- code books
+
+
+@pytest.mark.parametrize("role", Q.ROLES)
+def test_8bit_code_book_is_the_dynamic_map(role):
+  book = Q.code_book("8bit", role)
+  assert book.dtype == np.float32 and book.shape == (256,)
+  assert np.all(np.diff(book) > 0)  # sorted, 256 distinct values
+  assert book[-1] == 1.0 and 0.0 in book
+  # Independent float64 formula: per decade 10^-6 .. 1, the centres of an even split of
+  # [0.1, 1] in 2^i (signed) or 2^(i+1) (unsigned) parts, i = 0 .. 6.
+  signed = role == "mu"
+  pos = [10.0 ** (i - 6) * (0.1 + 0.9 * (j + 0.5) / n)
+         for i in range(7) for n in [2 ** i if signed else 2 ** (i + 1)] for j in range(n)]
+  want = np.sort(np.concatenate([pos, [0.0, 1.0]] + ([np.negative(pos)] if signed else [])))
+  np.testing.assert_allclose(book, want, rtol=3e-7, atol=0)
+  if signed:  # 127 negative codes, the mirror images of the positive ones but 1
+    assert np.sum(book < 0) == 127 and np.sum(book > 0) == 128
+    np.testing.assert_array_equal(-book[:127][::-1], book[128:255])
+  else:
+    assert book[0] == 0.0
+
+
+def test_4bit_code_books():
+  mu = Q.code_book("4bit", "mu")
+  np.testing.assert_allclose(mu, np.arange(-7, 8) / 7.0, rtol=1e-7, atol=0)
+  assert mu[7] == 0.0 and mu[-1] == 1.0 and mu[0] == -1.0
+  nu = Q.code_book("4bit", "nu")
+  assert nu.shape == (16,) and np.all(nu > 0) and nu[-1] == 1.0  # zero-free
+  np.testing.assert_allclose(nu, 2.0 ** ((np.arange(16) - 15) / 2.0), rtol=1e-7)
+  with pytest.raises(ValueError, match="fp8"):
+    Q.code_book("fp8", "mu")
+
+
+@pytest.mark.parametrize("kind,role", [("8bit", "mu"), ("8bit", "nu"), ("4bit", "mu"), ("4bit", "nu")])
+def test_decode_reads_the_code_book(kind, role):
+  book = Q.code_book(kind, role)
+  codes = jnp.arange(book.size, dtype=jnp.uint8)
+  np.testing.assert_array_equal(np.asarray(Q._decode(codes, fmt(kind, role))), book)
+
+
+def test_fp8_decode_is_e4m3():
+  codes = np.arange(256, dtype=np.uint8)
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  got = np.asarray(Q._decode_fp8(jnp.asarray(codes)))
+  finite = np.isfinite(want)  # 0x7f and 0xff are NaN, never written
+  np.testing.assert_array_equal(got[finite], want[finite])
+  assert finite.sum() == 254
+
+
+# ----------------------------------------------------------------------------- encoders
+
+
+def bucket_edges(role):
+  """Every float32 where the 8-bit encoder's table changes: the ends of every bucket, every
+  midpoint and their float32 neighbours, both signs. Both the encoder and the reference are
+  monotone step functions of r, each step of the encoder inside one bucket, so agreeing on
+  these points is agreeing on every float32 in [-2, 2]."""
+  b = np.arange(25 << 7, dtype=np.uint32)
+  lo = ((((b >> 7) + 127 - 24) << 23) | ((b & 127) << 16))
+  hi = lo | 0xFFFF
+  mids = Q._midpoints("8bit", role).view(np.uint32) & 0x7FFFFFFF
+  pts = np.concatenate([lo, hi] + [mids.astype(np.int64) + d for d in range(-3, 4)])
+  pts = pts.astype(np.uint32).view(np.float32)
+  tiny = np.float32([0.0, 1e-45, 1e-38, 2.0 ** -30, 2.0 ** -24, 1.0, 1.5, 2.0 ** -23 * 0.999])
+  pts = np.concatenate([pts, tiny])
+  return np.concatenate([pts, -pts]) if role == "mu" else pts
+
+
+@pytest.mark.parametrize("role", Q.ROLES)
+def test_8bit_encode_equals_midpoint_count_everywhere(role):
+  r = bucket_edges(role)
+  want = np.searchsorted(Q._midpoints("8bit", role), r, side="right")  # midpoints <= r
+  got = np.asarray(Q._encode(jnp.asarray(r), fmt("8bit", role)))
+  bad = np.flatnonzero(got != want)
+  assert bad.size == 0, (r[bad][:5], got[bad][:5], want[bad][:5])
+
+
+@pytest.mark.parametrize("role", Q.ROLES)
+def test_8bit_encode_is_nearest_ties_up(role):
+  """Against a float64 brute force over the book: the code is a nearest value, and of two
+  equally near values (up to the float32 rounding of their midpoint) the larger."""
+  rng = np.random.default_rng(0)
+  mag = np.exp(rng.uniform(np.log(1e-8), 0.0, 20000))
+  r = (mag * (rng.choice([-1, 1], mag.size) if role == "mu" else 1)).astype(np.float32)
+  r = np.concatenate([r, Q._midpoints("8bit", role), Q.code_book("8bit", role)])
+  book = Q.code_book("8bit", role).astype(np.float64)
+  got = np.asarray(Q._encode(jnp.asarray(r), fmt("8bit", role))).astype(np.int64)
+  dist = np.abs(r.astype(np.float64)[:, None] - book[None, :])
+  best = dist.min(axis=1)
+  # The midpoint is rounded to float32 (by up to half an ulp, 2^-24 |r|), which moves the
+  # distances to its two sides apart by twice that.
+  slack = 2.0 ** -22 * np.abs(r)
+  assert np.all(dist[np.arange(r.size), got] <= best + slack)
+  tie = np.sum(dist <= best[:, None] + slack[:, None], axis=1) > 1
+  nearest_up = (dist.shape[1] - 1) - np.argmin(dist[:, ::-1], axis=1)
+  np.testing.assert_array_equal(got[~tie], nearest_up[~tie])
+  exact_mid = np.isin(r, Q._midpoints("8bit", role))  # a float32 midpoint rounds up
+  assert np.all(got[exact_mid] == np.searchsorted(book, r[exact_mid].astype(np.float64)))
+
+
+def test_4bit_nu_encode_is_nearest_in_log2():
+  rng = np.random.default_rng(1)
+  r = np.exp(rng.uniform(np.log(2.0 ** -20), 0.0, 50000)).astype(np.float32)
+  want = np.clip(np.floor(15 + 2 * np.log2(r.astype(np.float64)) + 0.5), 0, 15)
+  got = np.asarray(Q._encode(jnp.asarray(r), fmt("4bit", "nu")))
+  np.testing.assert_array_equal(got, want)
+  assert np.all(np.asarray(Q._encode(jnp.float32([0.0, 1e-30, 1.0]), fmt("4bit", "nu"))) == [0, 0, 15])
+
+
+def test_4bit_mu_rounding_is_unbiased_and_deterministic():
+  rng = np.random.default_rng(2)
+  r = rng.uniform(-1, 1, (64, 128)).astype(np.float32)
+  f = fmt("4bit", "mu")
+  codes = np.asarray(Q._encode(jnp.asarray(r), f))
+  assert np.array_equal(codes, np.asarray(jax.jit(Q._encode, static_argnums=1)(jnp.asarray(r), f)))
+  back = Q.code_book("4bit", "mu")[codes]
+  lo, hi = np.floor(r * 7) / 7, np.ceil(r * 7) / 7  # one of the two neighbouring levels
+  assert np.all((np.abs(back - lo) < 1e-6) | (np.abs(back - hi) < 1e-6))
+  # Many distinct values all a third of the way between two levels: on average, exact.
+  x = (np.float32(2 / 7) + np.float32(1 / 21)) * (1 + np.arange(1 << 16, dtype=np.float32) * 1e-7)
+  back = Q.code_book("4bit", "mu")[np.asarray(Q._encode(jnp.asarray(x.reshape(-1, 128)), f))].reshape(-1)
+  assert abs(back.mean() - x.mean()) < 3 * (1 / 7) * 0.5 / np.sqrt(x.size)
+  assert 0.28 < np.mean(back > x) < 0.38  # rounded up a third of the time
+  grid = np.arange(-7, 8, dtype=np.float32) / np.float32(7)  # levels themselves stay put
+  np.testing.assert_array_equal(np.asarray(Q._encode(jnp.asarray(grid[None]), f))[0], np.arange(15))
+
+
+def test_fp8_encode_is_e4m3_round_to_nearest_even():
+  rng = np.random.default_rng(3)
+  y = rng.uniform(-448, 448, 100000).astype(np.float32)
+  y = np.concatenate([y, y * 1e-3, y * 1e-5, np.float32([0.0, -0.0, 448.0, -448.0, 2.0 ** -10])])
+  want = y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+  np.testing.assert_array_equal(np.asarray(Q._encode_fp8(jnp.asarray(y))), want)
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+def blocky(rng, shape, signed):
+  """Moments spanning decades within a block, as Adam's do."""
+  x = np.exp(rng.uniform(-12, 0, shape)) * (rng.choice([-1, 1], shape) if signed else 1)
+  return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("kind,role", KIND_ROLES)
+def test_round_trip_error(kind, role):
+  rng = np.random.default_rng(4)
+  f = fmt(kind, role)
+  x = blocky(rng, (8, 1024), role == "mu")
+  q = Q.quantize(jnp.asarray(x), f)
+  back = np.asarray(Q.dequantize(q))
+  assert back.shape == x.shape and back.dtype == np.float32
+  s = np.abs(x).reshape(8, -1, f.block_size).max(-1).repeat(f.block_size, -1).reshape(x.shape)
+  err = np.abs(back - x)
+  r = np.abs(x) / s
+  if kind == "8bit":
+    book = Q.code_book(kind, role)
+    k = np.clip(np.searchsorted(book, x / s), 1, 255)
+    assert np.all(err <= (book[k] - book[k - 1]) * s * (0.5 + 1e-5))  # nearest: half the gap
+    top = r > 0.1  # the top decade: 64 (signed) or 128 codes over [0.1, 1]
+    assert np.all(err[top] <= s[top] * 0.9 / (64 if role == "mu" else 128) * (0.5 + 1e-5))
+  elif kind == "4bit" and role == "mu":
+    assert np.all(err <= s / 7 * (1 + 1e-5))
+  elif kind == "4bit":  # sqrt(v) within a quarter power of two, small v rounded up
+    sq = np.sqrt(r)
+    ok = sq >= 2.0 ** -7.5
+    ratio = np.sqrt(back[ok] / x[ok])
+    assert np.all((ratio <= 2 ** 0.25 * (1 + 1e-5)) & (ratio >= 2 ** -0.25 * (1 - 1e-5)))
+    assert np.all(back[~ok] >= x[~ok]) and np.all(back > 0)
+  else:  # fp8: 3 mantissa bits in the normal range
+    normal = r * 448 >= 2.0 ** -6 if role == "mu" else np.sqrt(r) * 448 >= 2.0 ** -6
+    rel = err[normal] / np.abs(x[normal])
+    assert np.all(rel <= (2 ** -4 if role == "mu" else 2 * 2 ** -4 + 2 ** -8) * (1 + 1e-5))
+    if role == "nu":
+      assert np.all(back[x > 0] > 0)  # a positive v never reads back zero
+
+
+@pytest.mark.parametrize("kind,role", KIND_ROLES)
+def test_block_maximum_reads_back_exactly(kind, role):
+  x = np.zeros((4, 256), np.float32)
+  x[:, 3] = np.float32([0.5, 2.0, 1e-3, 7.0])
+  x[:, 100] = np.float32([-0.1, 0.3, 1e-5, 1.0]) if role == "mu" else np.float32([0.1, 0.3, 1e-5, 1.0])
+  back = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(x), fmt(kind, role, 256))))
+  np.testing.assert_allclose(back[:, 3], x[:, 3], rtol=2e-7)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("kind,role", KIND_ROLES)
+@pytest.mark.parametrize("shape", [(5000,), (3, 1000), (7, 3, 33)])
+def test_padding_of_a_leaf_that_is_not_whole_blocks(kind, role, shape):
+  f = fmt(kind, role, 64)
+  x = blocky(np.random.default_rng(5), shape, role == "mu")
+  q = Q.quantize(jnp.asarray(x), f)
+  n = int(np.prod(shape))
+  blocks = -(-n // 64)
+  assert q.scales.shape == (blocks,)
+  assert q.codes.shape == (blocks, 32 if kind == "4bit" else 64) and q.codes.dtype == jnp.uint8
+  back = np.asarray(Q.dequantize(q))
+  assert back.shape == shape
+  # Each block's scale is the maximum of its own elements: the padding adds none.
+  padded = np.concatenate([np.abs(x).reshape(-1), np.zeros(blocks * 64 - n, np.float32)])
+  if kind != "8bit" and role == "nu":
+    padded = np.sqrt(padded)
+  np.testing.assert_array_equal(np.asarray(q.scales), np.maximum(padded.reshape(blocks, 64).max(1), 1e-12))
+  assert q.nbytes == q.codes.size + 4 * blocks
+
+
+@pytest.mark.parametrize("kind", Q.KINDS)
+def test_whole_blocks_keep_the_leading_axes(kind):
+  f = fmt(kind, "mu", 128)
+  q = Q.quantize(jnp.ones((6, 4, 512)), f)
+  assert q.scales.shape == (6, 4, 4)
+  assert q.codes.shape == (6, 4, 4, 64 if kind == "4bit" else 128)
+  np.testing.assert_array_equal(np.asarray(Q.dequantize(q)), np.ones((6, 4, 512), np.float32))
+
+
+def test_4bit_packing_low_nibble_first():
+  f = fmt("4bit", "mu", 4)
+  x = jnp.float32([[-1.0, 0.0, 1.0, 3 / 7]])
+  q = Q.quantize(x, f)
+  assert q.codes.tolist() == [[[0 | (7 << 4), 14 | (10 << 4)]]]
+
+
+@pytest.mark.parametrize("kind,role", KIND_ROLES)
+def test_zeros_read_back_zero(kind, role):
+  z = Q.zeros((3, 256), fmt(kind, role))
+  back = np.asarray(Q.dequantize(z))
+  assert np.all(back >= 0) and np.all(back <= 1e-24)
+  if role == "mu" or kind == "8bit":
+    assert np.all(back == 0)
+  # quantizing zeros gives the same stored state
+  q = Q.quantize(jnp.zeros((3, 256)), fmt(kind, role))
+  np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(z.codes))
+  np.testing.assert_array_equal(np.asarray(q.scales), np.asarray(z.scales))
+
+
+@pytest.mark.parametrize("kind,role", KIND_ROLES)
+def test_nonfinite_values_are_stored_as_zero(kind, role):
+  x = np.abs(blocky(np.random.default_rng(6), (2, 256), role == "mu")) * (1 if role == "nu" else -1)
+  x[0, 5], x[0, 6], x[1, 7] = np.nan, np.inf, -np.inf
+  q = Q.quantize(jnp.asarray(x), fmt(kind, role, 256))
+  assert np.all(np.isfinite(np.asarray(q.scales)))
+  back = np.asarray(Q.dequantize(q))
+  assert np.all(np.isfinite(back))
+  # stored as 0: reads back 0 (the 4-bit v: its smallest code, 2^-15 of the block's maximum)
+  bound = 0.0
+  if (kind, role) == ("4bit", "nu"):
+    bound = 2.0 ** -15 * np.asarray(q.scales).reshape(-1)[[0, 0, 1]] ** 2 * (1 + 1e-6)
+  assert np.all(np.abs(back[[0, 0, 1], [5, 6, 7]]) <= bound)
+  finite = np.isfinite(x)
+  want = np.maximum(np.abs(np.where(finite, x, 0)).max(1), 1e-12)
+  if kind != "8bit" and role == "nu":
+    want = np.sqrt(want)
+  np.testing.assert_allclose(np.asarray(q.scales).reshape(-1), want, rtol=1e-7)
+
+
+@pytest.mark.parametrize("kind,role", KIND_ROLES)
+def test_jit_equals_eager(kind, role):
+  f = fmt(kind, role)
+  x = jnp.asarray(blocky(np.random.default_rng(7), (4, 512), role == "mu"))
+  eager = Q.quantize(x, f)
+  jitted = jax.jit(Q.quantize, static_argnums=1)(x, f)
+  np.testing.assert_array_equal(np.asarray(eager.codes), np.asarray(jitted.codes))
+  np.testing.assert_array_equal(np.asarray(eager.scales), np.asarray(jitted.scales))
+
+
+# ----------------------------------------------------------------------------- the spec
+
+
+@pytest.mark.parametrize("kwargs,match", [
+  (dict(kind="int8"), "kind"),
+  (dict(kind=8), "kind"),
+  (dict(kind="8bit", block_size=0), "block_size"),
+  (dict(kind="8bit", block_size=-256), "block_size"),
+  (dict(kind="8bit", block_size=96), "block_size"),
+  (dict(kind="8bit", block_size=256.0), "block_size"),
+  (dict(kind="8bit", block_size=True), "block_size"),
+  (dict(kind="4bit", block_size=1), "block_size"),
+  (dict(kind="8bit", min_size=-1), "min_size"),
+  (dict(kind="8bit", min_size=1.5), "min_size"),
+])
+def test_quantized_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    Q.Quantized(**kwargs)
+
+
+def test_quantized_defaults_and_as_format():
+  assert Q.as_format("mu_dtype", "4bit") == Q.Quantized("4bit")
+  assert Q.resolve(Q.Quantized("8bit"), "nu").block_size == 256
+  assert Q.resolve(Q.Quantized("8bit", 64), "mu").block_size == 64
+  assert Q.resolve(Q.Quantized("fp8", 1), "mu").block_size == 1
+  with pytest.raises(TypeError, match="mu_dtype"):
+    Q.as_format("mu_dtype", "int4")
+
+
+def test_init_moment_min_size():
+  small, big = jnp.ones((4095,)), jnp.ones((4096,))
+  assert Q.init_moment(small, Q.Quantized("8bit"), "mu").dtype == jnp.float32
+  assert isinstance(Q.init_moment(big, Q.Quantized("8bit"), "mu"), Q.QuantizedArray)
+  assert isinstance(Q.init_moment(small, Q.Quantized("8bit", min_size=0), "mu"), Q.QuantizedArray)
