@@ -59,6 +59,7 @@ from adamkit._offload import (
     offload_state,
 )
 from adamkit._precision import MasterWeightsState, inject_hyperparams, master_weights
+from adamkit._quant import Quantized
 from adamkit._schedules import as_schedule
 
 # Sparse Adam for embedding tables.
@@ -99,4 +100,6 @@ __all__ = [
     "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "FusedAdamaxState",
     "FlatMoments", "build_cpu_kernel", "cpu_kernel_available", "master_weights",
     "MasterWeightsState", "inject_hyperparams",
+    # low-bit optimizer states
+    "Quantized",
 ]
