@@ -349,9 +349,10 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
               "sharding. Use multi_tensor=False (moments sharded like their params).")
       mu, nu = (_flat_zeros(params, store_of) for store_of in (mu_of, nu_of))
       # Placed as the jitted step returns them (committed params: one compilation).
-      flat = replicated_like(params, ndim=1)
-      if flat is not None:
-        mu, nu = jax.device_put((mu, nu), flat)
+      # (a spec per axis, as jit writes it: 1-D buffers, 2-D codes of a quantized one)
+      if replicated_like(params) is not None:
+        mu, nu = jax.tree.map(lambda x: jax.device_put(x, replicated_like(params, x.ndim)),
+                              (mu, nu))
     count = jnp.zeros([], jnp.int32)
     if amsgrad:
       state = FusedAmsgradState(count=count, mu=mu, nu=nu, nu_max=jax.tree.map(jnp.copy, nu))
