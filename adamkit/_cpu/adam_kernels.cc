@@ -52,52 +52,67 @@ enum Decay : int64_t { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 constexpr int64_t StateBuffers(bool amsgrad) { return amsgrad ? 3 : 2; }
 constexpr int64_t kMaxStateBuffers = 3;
 
-// store_u: p is an output that receives the direction u (no learning rate, no decay),
-// for the sparse kernel's updates; otherwise p is the parameter, updated in place.
+// The nine scalars, loaded once per loop (see the table above).
+struct Scalars {
+  float b1, omb1, b2, omb2, eps, lr, wd, c1, c2;
+};
+
+inline Scalars LoadScalars(const float* s) {
+  return Scalars{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]};
+}
+
+// The step of one element: from the gradient and the old moments, the new moments and
+// the new parameter (store_u: p receives the direction u, no learning rate, no decay).
 // vmax: AMSGrad's running maximum (read and written only when amsgrad).
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
+inline __attribute__((always_inline)) void Update(const Scalars& k, float gi, float& p, float& m,
+                                                  float& v, float& vmax) {
+  static_assert(!(store_u && decay != kNoDecay), "the direction output takes no decay");
+  static_assert(!(amsgrad && kind == kAdamax), "AdaMax has no AMSGrad form");
+  if (decay == kL2) gi = gi + k.wd * p;
+  float mi = k.b1 * m + k.omb1 * gi;
+  float vi;
+  float u;
+  if (kind == kAdamax) {
+    vi = std::max(k.b2 * v, std::fabs(gi));
+    u = mi / (k.c1 * (vi + k.eps));
+  } else {
+    vi = k.b2 * v + k.omb2 * (gi * gi);
+    float den = vi;
+    if (amsgrad) {
+      // max(vmax, v) with NaN propagated from either side, as jnp.maximum.
+      const float old = vmax;
+      den = (vi != vi || vi > old) ? vi : old;
+      vmax = den;
+    }
+    float n = nesterov ? k.b1 * mi + k.omb1 * gi : mi;
+    if (kind == kAdamHat) {
+      u = k.c1 * n / (std::sqrt(den) + k.eps);
+    } else {
+      u = (n * k.c1) / (std::sqrt(den * k.c2) + k.eps);
+    }
+  }
+  m = mi;
+  v = vi;
+  if (store_u) {
+    p = u;
+  } else {
+    if (decay == kDecoupled) u = u + k.wd * p;
+    p = p + (-k.lr * u);
+  }
+}
+
 template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
 inline __attribute__((always_inline)) void ChunkBody(float* __restrict p, float* __restrict m,
                                                      float* __restrict v,
                                                      float* __restrict vmax,
                                                      const float* __restrict g, const float* s,
                                                      int64_t lo, int64_t hi) {
-  static_assert(!(store_u && decay != kNoDecay), "the direction output takes no decay");
-  static_assert(!(amsgrad && kind == kAdamax), "AdaMax has no AMSGrad form");
-  const float b1 = s[0], omb1 = s[1], b2 = s[2], omb2 = s[3], eps = s[4], lr = s[5],
-              wd = s[6], c1 = s[7], c2 = s[8];
+  const Scalars k = LoadScalars(s);
   for (int64_t i = lo; i < hi; ++i) {
-    float gi = g[i];
-    if (decay == kL2) gi = gi + wd * p[i];
-    float mi = b1 * m[i] + omb1 * gi;
-    float vi;
-    float u;
-    if (kind == kAdamax) {
-      vi = std::max(b2 * v[i], std::fabs(gi));
-      u = mi / (c1 * (vi + eps));
-    } else {
-      vi = b2 * v[i] + omb2 * (gi * gi);
-      float den = vi;
-      if (amsgrad) {
-        // max(vmax, v) with NaN propagated from either side, as jnp.maximum.
-        const float old = vmax[i];
-        den = (vi != vi || vi > old) ? vi : old;
-        vmax[i] = den;
-      }
-      float n = nesterov ? b1 * mi + omb1 * gi : mi;
-      if (kind == kAdamHat) {
-        u = c1 * n / (std::sqrt(den) + eps);
-      } else {
-        u = (n * c1) / (std::sqrt(den * c2) + eps);
-      }
-    }
-    m[i] = mi;
-    v[i] = vi;
-    if (store_u) {
-      p[i] = u;
-    } else {
-      if (decay == kDecoupled) u = u + wd * p[i];
-      p[i] = p[i] + (-lr * u);
-    }
+    float none = 0.0f;
+    Update<kind, nesterov, decay, amsgrad, store_u>(k, g[i], p[i], m[i], v[i],
+                                                    amsgrad ? vmax[i] : none);
   }
 }
 
@@ -756,24 +771,30 @@ __attribute__((target("avx2"))) float SanitizeAvx2(bool nonneg, int64_t c, float
 }
 #endif
 
-// Encodes the c values of x (the rest of the block is padding, stored as 0) into block
-// `blk` of buffer b, as _quant.encode_blocks does.
-void EncodeBlock(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
+// Stores the c sanitized values of x, whose largest magnitude is amax, as block `blk` of
+// buffer b (the rest of the block is padding, stored as 0), as _quant.encode_blocks does.
+void StoreCodes(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x, float amax) {
   uint8_t* code = b.codes + blk * block;
+  const float scale = std::max(amax, kScaleFloor);
+  std::fill(x + c, x + block, 0.0f);
 #ifdef ADAMKIT_AVX2
   if (HasAvx2() && b.search->fast() && block >= 8) {
-    const float scale = std::max(SanitizeAvx2(b.nonneg, c, x), kScaleFloor);
-    std::fill(x + c, x + block, 0.0f);
     b.search->CodesAvx2(x, 1.0f / scale, block, code);
     b.scales[blk] = scale;
     return;
   }
 #endif
-  const float scale = std::max(Sanitize(b.nonneg, c, x), kScaleFloor);
-  std::fill(x + c, x + block, 0.0f);
   const float inv = 1.0f / scale;
   for (int64_t i = 0; i < block; ++i) code[i] = b.search->Code(x[i] * inv);
   b.scales[blk] = scale;
+}
+
+// Encodes the c values of x into block `blk` of buffer b.
+void EncodeBlock(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
+#ifdef ADAMKIT_AVX2
+  if (HasAvx2()) return StoreCodes(b, block, blk, c, x, SanitizeAvx2(b.nonneg, c, x));
+#endif
+  StoreCodes(b, block, blk, c, x, Sanitize(b.nonneg, c, x));
 }
 
 void Decode(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
@@ -783,9 +804,10 @@ void Decode(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
   DecodeBlock(b, block, blk, c, x);
 }
 
-// The step on blocks [lo, hi) of the concatenated leaves (each leaf starts a block).
-void RunBlocks(ChunkFn fn, const std::vector<QLeaf>& leaves, const QBuffer* bufs, int64_t nstate,
-               int64_t block, const float* s, int64_t lo, int64_t hi) {
+// The step on blocks [lo, hi) of the concatenated leaves (each leaf starts a block): the
+// block's quantized moments decoded into scratch, the float32 step's loop `fn`, encoded.
+void RunBlocks(ChunkFn fn, const std::vector<QLeaf>& leaves, const QBuffer* bufs,
+               int64_t nstate, int64_t block, const float* s, int64_t lo, int64_t hi) {
   std::vector<float> scratch(static_cast<size_t>(nstate * block));
   int64_t base = 0;
   for (const QLeaf& l : leaves) {
