@@ -542,7 +542,16 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       (``weight_decay``: a number or schedule, L2). ``amsgrad=True`` keeps a third buffer,
       the running maximum of :math:`v_t` (8 more bytes of traffic per float32 parameter),
       and the state is a :class:`FusedAmsgradState`.
-    nu_dtype: dtype of the second moment (default: the params' dtype).
+    nu_dtype: dtype of the second moment (default: the params' dtype). Either moment may
+      be quantized, ``ak.Quantized(kind, ...)`` or the kind alone (``"8bit"``, ``"4bit"``,
+      ``"fp8"``; AMSGrad's running maximum takes ``nu_dtype``'s format): the step
+      dequantizes, updates in float32 and requantizes. ``"8bit"`` runs on the C++ kernel,
+      one pass per block of 256 (read p, g and the 1-byte codes; write p and the codes: 16
+      bytes per parameter instead of 28) with the codes of the XLA path bit for bit;
+      ``"4bit"`` and ``"fp8"`` run on XLA. In multi-tensor mode the quantized leaves share
+      one flat buffer of codes (each leaf from a block's start) keyed by the kind; leaves
+      under ``min_size`` keep float32 moments. A lazy row-sparse leaf does not take
+      quantized moments yet (``NotImplementedError``; ``lazy=False`` densifies it).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (Paddle ``use_multi_tensor``);
       ``False``: state shaped like the params (and sharded like them), one kernel call per
@@ -587,6 +596,11 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     >>> state = opt.init(params)
     >>> type(state).__name__, state.nu_max["float32"].shape
     ('FusedAmsgradState', (2,))
+
+    >>> opt = ak.fused_adam(0.1, mu_dtype="8bit", nu_dtype="8bit")  # 2.03 bytes per param
+    >>> state = opt.init({"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)})
+    >>> state.mu["8bit"].codes.dtype, state.mu["8bit"].codes.shape, state.mu["float32"].shape
+    (dtype('uint8'), (64, 256), (256,))
 
   References:
     DeepSpeed ``DeepSpeedCPUAdam`` (a one-pass CPU Adam for offloading) and

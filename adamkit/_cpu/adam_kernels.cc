@@ -9,6 +9,8 @@
 // Row-sparse (AdamkitCpuSparseLazy, AdamkitCpuRowAdd): the lazy step on the rows an
 // embedding lookup touched, ids merged in a hash table, each touched row of the table and
 // its moments read and written once, rows prefetched ahead; and the row scatter-add.
+// Quantized (AdamkitCpuStepQuantized): the dense step with 8-bit block-wise moments
+// (adamkit/_quant.py), decoded, stepped and re-encoded per block in one pass.
 // The arithmetic mirrors adamkit's reference formulas operation by operation, without FMA
 // contraction (the scalars, including reciprocals XLA would form, are computed by the
 // caller in JAX).
