@@ -569,12 +569,16 @@ constexpr int64_t kBook = 256;          // codes per book
 constexpr int64_t kMaxBlock = 1 << 20;  // elements per block (bounds the scratch)
 constexpr float kScaleFloor = 1e-12f;   // _quant.SCALE_FLOOR
 
-// The nearest-code search: a table indexed by a float's sign, exponent and top 9 mantissa
-// bits gives the number of midpoints below the bucket; a bucket holds at most one
-// midpoint (the dynamic maps' closest midpoints are 0.35% apart, a bucket at most 0.2%
-// wide), so one comparison finishes the count: two gathers per eight codes. Every |r|
-// below 2^-24 shares one bucket per sign. A code book whose midpoints crowd two into a
-// bucket falls back to a binary search.
+// The nearest-code search. A table indexed by a float's sign, exponent and top 9 mantissa
+// bits (a bucket) gives the number of midpoints below the bucket and the one midpoint
+// inside it, if any (the dynamic maps' closest midpoints are 0.35% apart, a bucket at most
+// 0.2% wide): the code is that count plus one if r is at or above the midpoint. Inside a
+// bucket every float shares its sign, exponent and top bits, so the comparison is one of
+// the 14 low bits, flipped for negative floats (where a larger magnitude is a smaller
+// value); table entry = count | low bits << 8, "no midpoint" = 2^14. One gather per eight
+// codes. Every |r| below 2^-24 shares one bucket per sign, as does everything from the top
+// of [1, 2) up; neither may hold a midpoint. A code book that breaks these rules falls
+// back to a binary search.
 class CodeSearch {
  public:
   // False when the midpoints are not finite and sorted.
@@ -589,7 +593,7 @@ class CodeSearch {
       for (int64_t e = 0; e < kExps; ++e) {
         for (int64_t m = 0; m < kMants; ++m) {
           float lo, hi;
-          Bucket(e, m, &lo, &hi);
+          const bool wide = Bucket(e, m, &lo, &hi);
           if (sign) {  // the negative floats of those magnitudes
             const float neg_lo = -hi;
             hi = -lo;
@@ -597,8 +601,14 @@ class CodeSearch {
           }
           const int64_t below = std::lower_bound(mid_, mid_ + kBook - 1, lo) - mid_;
           const int64_t upto = std::upper_bound(mid_, mid_ + kBook - 1, hi) - mid_;
-          table_ok_ = table_ok_ && upto - below <= 1;
-          base_[(sign * kExps + e) * kMants + m] = static_cast<uint8_t>(below);
+          int32_t low = kNever;
+          if (upto > below) {
+            table_ok_ = table_ok_ && upto - below == 1 && !wide;
+            uint32_t bits;
+            std::memcpy(&bits, &mid_[below], 4);
+            low = static_cast<int32_t>((bits & kLow) ^ (sign ? kLow : 0u));
+          }
+          entry_[(sign * kExps + e) * kMants + m] = static_cast<int32_t>(below) | (low << 8);
         }
       }
     }
@@ -619,8 +629,9 @@ class CodeSearch {
     const int32_t m = exp < kExp0             ? 0
                       : exp > 127             ? kMants - 1
                                               : static_cast<int32_t>((bits >> kShift) & (kMants - 1));
-    const int32_t base = base_[((bits >> 31) * kExps + e) * kMants + m];
-    return static_cast<uint8_t>(base + (r >= mid_[base]));
+    const int32_t entry = entry_[((bits >> 31) * kExps + e) * kMants + m];
+    const int32_t low = static_cast<int32_t>((bits & kLow) ^ ((bits >> 31) ? kLow : 0u));
+    return static_cast<uint8_t>((entry & 0xFF) + (low >= (entry >> 8)));
   }
 
 #ifdef ADAMKIT_AVX2
@@ -629,6 +640,7 @@ class CodeSearch {
                                                  uint8_t* out) const {
     const __m256 vinv = _mm256_set1_ps(inv);
     const __m256i byte = _mm256_set1_epi32(0xFF), mants = _mm256_set1_epi32(kMants - 1);
+    const __m256i low_bits = _mm256_set1_epi32(kLow), one = _mm256_set1_epi32(1);
     for (int64_t i = 0; i < n; i += 8) {
       const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
       const __m256i bits = _mm256_castps_si256(r);
@@ -640,14 +652,15 @@ class CodeSearch {
       __m256i m = _mm256_and_si256(_mm256_srli_epi32(bits, kShift), mants);
       m = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kExp0), exp), m);
       m = _mm256_or_si256(m, _mm256_and_si256(_mm256_cmpgt_epi32(exp, _mm256_set1_epi32(127)), mants));
-      const __m256i sign = _mm256_and_si256(_mm256_srai_epi32(bits, 31),
-                                            _mm256_set1_epi32(kExps * kMants));
-      const __m256i idx = _mm256_add_epi32(sign, _mm256_add_epi32(_mm256_slli_epi32(e, kBits), m));
-      const __m256i base = _mm256_and_si256(
-          _mm256_i32gather_epi32(reinterpret_cast<const int*>(base_), idx, 1), byte);
-      const __m256 m0 = _mm256_i32gather_ps(mid_, base, 4);
-      const __m256i code =  // base + (r >= m0): a true comparison is -1
-          _mm256_sub_epi32(base, _mm256_castps_si256(_mm256_cmp_ps(r, m0, _CMP_GE_OQ)));
+      const __m256i sign = _mm256_srai_epi32(bits, 31);  // all ones for a negative float
+      const __m256i idx = _mm256_add_epi32(_mm256_and_si256(sign, _mm256_set1_epi32(kExps * kMants)),
+                                           _mm256_add_epi32(_mm256_slli_epi32(e, kBits), m));
+      const __m256i entry = _mm256_i32gather_epi32(entry_, idx, 4);
+      const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low_bits),
+                                           _mm256_and_si256(sign, low_bits));
+      const __m256i code = _mm256_add_epi32(  // count + 1 - (midpoint's bits > r's bits)
+          _mm256_add_epi32(_mm256_and_si256(entry, byte), one),
+          _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 8), low));
       const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(code),
                                            _mm256_extracti128_si256(code, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packus_epi16(c16, c16));
@@ -660,25 +673,30 @@ class CodeSearch {
   static constexpr int32_t kExps = 128 - kExp0 + 1;
   static constexpr int32_t kBits = 9;  // mantissa bits of a bucket
   static constexpr int32_t kMants = 1 << kBits, kShift = 23 - kBits;
+  static constexpr uint32_t kLow = (1u << kShift) - 1;  // the bits below a bucket's
+  static constexpr int32_t kNever = 1 << kShift;      // above any low bits: no midpoint
 
   // The magnitudes [lo, hi] of bucket (e, m): e = 0 is [0, 2^-24); the last, from the
-  // top of [1, 2), takes every larger value too.
-  static void Bucket(int64_t e, int64_t m, float* lo, float* hi) {
+  // top of [1, 2), takes every larger value too. True for those two (buckets that span
+  // exponents, whose low bits do not order their values).
+  static bool Bucket(int64_t e, int64_t m, float* lo, float* hi) {
     uint32_t a, b;
     if (e == 0) {
       a = 0;
       b = (static_cast<uint32_t>(kExp0) << 23) - 1;
     } else {
       a = (static_cast<uint32_t>(kExp0 + e - 1) << 23) | (static_cast<uint32_t>(m) << kShift);
-      b = a | ((1u << kShift) - 1);
+      b = a | kLow;
     }
     std::memcpy(lo, &a, 4);
     std::memcpy(hi, &b, 4);
-    if (e == kExps - 1 && m == kMants - 1) *hi = INFINITY;
+    const bool last = e == kExps - 1 && m == kMants - 1;
+    if (last) *hi = INFINITY;
+    return e == 0 || last;
   }
 
-  float mid_[kBook];  // the 255 midpoints, then +inf
-  uint8_t base_[2 * kExps * kMants + 4];  // + 4: a 32-bit gather of the last entry
+  float mid_[kBook];  // the 255 midpoints, then +inf (the binary search's)
+  int32_t entry_[2 * kExps * kMants];
   bool table_ok_ = false;
 };
 
