@@ -576,9 +576,9 @@ constexpr float kScaleFloor = 1e-12f;   // _quant.SCALE_FLOOR
 // bucket every float shares its sign, exponent and top bits, so the comparison is one of
 // the 14 low bits, flipped for negative floats (where a larger magnitude is a smaller
 // value); table entry = count | low bits << 8, "no midpoint" = 2^14. One gather per eight
-// codes. Every |r| below 2^-24 shares one bucket per sign, as does everything from the top
-// of [1, 2) up; neither may hold a midpoint. A code book that breaks these rules falls
-// back to a binary search.
+// codes. The first bucket of each sign takes every |r| below 2^-24 too, the last every
+// |r| from the top of [1, 2) up; neither may hold a midpoint. A code book that breaks these
+// rules falls back to a binary search.
 class CodeSearch {
  public:
   // False when the midpoints are not finite and sorted.
@@ -590,26 +590,24 @@ class CodeSearch {
     mid_[kBook - 1] = INFINITY;  // never <= a finite r
     table_ok_ = true;
     for (int64_t sign = 0; sign < 2; ++sign) {
-      for (int64_t e = 0; e < kExps; ++e) {
-        for (int64_t m = 0; m < kMants; ++m) {
-          float lo, hi;
-          const bool wide = Bucket(e, m, &lo, &hi);
-          if (sign) {  // the negative floats of those magnitudes
-            const float neg_lo = -hi;
-            hi = -lo;
-            lo = neg_lo;
-          }
-          const int64_t below = std::lower_bound(mid_, mid_ + kBook - 1, lo) - mid_;
-          const int64_t upto = std::upper_bound(mid_, mid_ + kBook - 1, hi) - mid_;
-          int32_t low = kNever;
-          if (upto > below) {
-            table_ok_ = table_ok_ && upto - below == 1 && !wide;
-            uint32_t bits;
-            std::memcpy(&bits, &mid_[below], 4);
-            low = static_cast<int32_t>((bits & kLow) ^ (sign ? kLow : 0u));
-          }
-          entry_[(sign * kExps + e) * kMants + m] = static_cast<int32_t>(below) | (low << 8);
+      for (int64_t k = 0; k < kBuckets; ++k) {
+        float lo, hi;
+        const bool wide = Bucket(k, &lo, &hi);
+        if (sign) {  // the negative floats of those magnitudes
+          const float neg_lo = -hi;
+          hi = -lo;
+          lo = neg_lo;
         }
+        const int64_t below = std::lower_bound(mid_, mid_ + kBook - 1, lo) - mid_;
+        const int64_t upto = std::upper_bound(mid_, mid_ + kBook - 1, hi) - mid_;
+        int32_t low = kNever;
+        if (upto > below) {
+          table_ok_ = table_ok_ && upto - below == 1 && !wide;
+          uint32_t bits;
+          std::memcpy(&bits, &mid_[below], 4);
+          low = static_cast<int32_t>((bits & kLow) ^ (sign ? kLow : 0u));
+        }
+        entry_[sign * kBuckets + k] = static_cast<int32_t>(below) | (low << 8);
       }
     }
     return true;
@@ -624,12 +622,9 @@ class CodeSearch {
     }
     uint32_t bits;
     std::memcpy(&bits, &r, 4);
-    const int32_t exp = static_cast<int32_t>((bits >> 23) & 0xFF);
-    const int32_t e = std::min(std::max(exp - (kExp0 - 1), 0), kExps - 1);
-    const int32_t m = exp < kExp0             ? 0
-                      : exp > 127             ? kMants - 1
-                                              : static_cast<int32_t>((bits >> kShift) & (kMants - 1));
-    const int32_t entry = entry_[((bits >> 31) * kExps + e) * kMants + m];
+    const int32_t k = std::min(std::max(static_cast<int32_t>((bits & 0x7FFFFFFFu) >> kShift), kFirst),
+                               kLast) - kFirst;
+    const int32_t entry = entry_[(bits >> 31) * kBuckets + k];
     const int32_t low = static_cast<int32_t>((bits & kLow) ^ ((bits >> 31) ? kLow : 0u));
     return static_cast<uint8_t>((entry & 0xFF) + (low >= (entry >> 8)));
   }
@@ -639,22 +634,19 @@ class CodeSearch {
   __attribute__((target("avx2"))) void CodesAvx2(const float* x, float inv, int64_t n,
                                                  uint8_t* out) const {
     const __m256 vinv = _mm256_set1_ps(inv);
-    const __m256i byte = _mm256_set1_epi32(0xFF), mants = _mm256_set1_epi32(kMants - 1);
+    const __m256i byte = _mm256_set1_epi32(0xFF), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i low_bits = _mm256_set1_epi32(kLow), one = _mm256_set1_epi32(1);
+    const __m256i first = _mm256_set1_epi32(kFirst), last = _mm256_set1_epi32(kLast);
     for (int64_t i = 0; i < n; i += 8) {
       const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
       const __m256i bits = _mm256_castps_si256(r);
-      const __m256i exp = _mm256_and_si256(_mm256_srli_epi32(bits, 23), byte);
-      const __m256i e = _mm256_min_epi32(
-          _mm256_max_epi32(_mm256_sub_epi32(exp, _mm256_set1_epi32(kExp0 - 1)),
-                           _mm256_setzero_si256()),
-          _mm256_set1_epi32(kExps - 1));
-      __m256i m = _mm256_and_si256(_mm256_srli_epi32(bits, kShift), mants);
-      m = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kExp0), exp), m);
-      m = _mm256_or_si256(m, _mm256_and_si256(_mm256_cmpgt_epi32(exp, _mm256_set1_epi32(127)), mants));
+      const __m256i k = _mm256_sub_epi32(
+          _mm256_min_epi32(_mm256_max_epi32(
+                               _mm256_srli_epi32(_mm256_and_si256(bits, magnitude), kShift), first),
+                           last),
+          first);
       const __m256i sign = _mm256_srai_epi32(bits, 31);  // all ones for a negative float
-      const __m256i idx = _mm256_add_epi32(_mm256_and_si256(sign, _mm256_set1_epi32(kExps * kMants)),
-                                           _mm256_add_epi32(_mm256_slli_epi32(e, kBits), m));
+      const __m256i idx = _mm256_add_epi32(k, _mm256_and_si256(sign, _mm256_set1_epi32(kBuckets)));
       const __m256i entry = _mm256_i32gather_epi32(entry_, idx, 4);
       const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low_bits),
                                            _mm256_and_si256(sign, low_bits));
@@ -669,34 +661,28 @@ class CodeSearch {
 #endif
 
  private:
-  static constexpr int32_t kExp0 = 127 - 24;  // biased exponents below it: one bucket
-  static constexpr int32_t kExps = 128 - kExp0 + 1;
   static constexpr int32_t kBits = 9;  // mantissa bits of a bucket
-  static constexpr int32_t kMants = 1 << kBits, kShift = 23 - kBits;
+  static constexpr int32_t kShift = 23 - kBits;
+  // A bucket is a magnitude's bits >> kShift (exponent and top mantissa bits), clamped to
+  // [kFirst, kLast]: from 2^-24 to the top of [1, 2).
+  static constexpr int32_t kFirst = (127 - 24) << kBits, kLast = (128 << kBits) - 1;
+  static constexpr int32_t kBuckets = kLast - kFirst + 1;  // per sign
   static constexpr uint32_t kLow = (1u << kShift) - 1;  // the bits below a bucket's
   static constexpr int32_t kNever = 1 << kShift;      // above any low bits: no midpoint
 
-  // The magnitudes [lo, hi] of bucket (e, m): e = 0 is [0, 2^-24); the last, from the
-  // top of [1, 2), takes every larger value too. True for those two (buckets that span
-  // exponents, whose low bits do not order their values).
-  static bool Bucket(int64_t e, int64_t m, float* lo, float* hi) {
-    uint32_t a, b;
-    if (e == 0) {
-      a = 0;
-      b = (static_cast<uint32_t>(kExp0) << 23) - 1;
-    } else {
-      a = (static_cast<uint32_t>(kExp0 + e - 1) << 23) | (static_cast<uint32_t>(m) << kShift);
-      b = a | kLow;
-    }
+  // The magnitudes [lo, hi] of bucket k; the first starts at 0, the last ends at +inf:
+  // true for those two (their low bits do not order their values).
+  static bool Bucket(int64_t k, float* lo, float* hi) {
+    uint32_t a = static_cast<uint32_t>(kFirst + k) << kShift, b = a | kLow;
     std::memcpy(lo, &a, 4);
     std::memcpy(hi, &b, 4);
-    const bool last = e == kExps - 1 && m == kMants - 1;
-    if (last) *hi = INFINITY;
-    return e == 0 || last;
+    if (k == 0) *lo = 0.0f;
+    if (k == kBuckets - 1) *hi = INFINITY;
+    return k == 0 || k == kBuckets - 1;
   }
 
   float mid_[kBook];  // the 255 midpoints, then +inf (the binary search's)
-  int32_t entry_[2 * kExps * kMants];
+  int32_t entry_[2 * kBuckets];
   bool table_ok_ = false;
 };
 
