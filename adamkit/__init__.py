@@ -60,6 +60,7 @@ from adamkit._offload import (
     offload_state,
 )
 from adamkit._precision import MasterWeightsState, inject_hyperparams, master_weights
+from adamkit._quant import Quantized
 
 # Low-precision params without a master copy: stochastic rounding, Kahan-compensated updates.
 from adamkit._rounding import (
@@ -113,4 +114,6 @@ __all__ = [
     # low-precision params without a master copy
     "param_rounding", "stochastic_round", "NearestRoundingState", "StochasticRoundingState",
     "KahanState",
+    # low-bit optimizer states
+    "Quantized",
 ]

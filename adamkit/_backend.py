@@ -10,7 +10,9 @@ The rule (``backend`` is the user's argument):
 1. ``"xla"``: XLA.
 2. ``"kernel"`` when the library is not built: ``RuntimeError``. ``"auto"`` without it: XLA.
 3. Arrays the kernel cannot take (not float32, ids wider than int32, a table of more than
-   ``2**31 - 1`` rows, moments at different offsets): XLA, even when forced.
+   ``2**31 - 1`` rows, moments at different offsets; quantized moments in another format
+   than "8bit", of two block sizes, or for an operation other than the dense step): XLA,
+   even when forced.
 4. Arrays spread over several devices, or on a device that is not a CPU: XLA, even when
    forced. The kernel has no sharding rule; XLA would gather a sharded array onto one
    device and return it replicated, silently. XLA's own step keeps every sharding.
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adamkit import _quant
 from adamkit._tree import is_tracer
 
 try:  # the native backend is optional: a pure-JAX install has no adamkit/_cpu
@@ -102,12 +105,20 @@ def _kernel_ids(ids) -> bool:
       jnp.issubdtype(ids.dtype, jnp.unsignedinteger) and jnp.iinfo(ids.dtype).bits < 32)
 
 
+def _takes(a: Any, quantized: bool) -> bool:
+  if _quant.is_qarray(a):
+    return quantized and a.fmt.kind == "8bit"
+  return a.dtype == jnp.float32
+
+
 def use_kernel(backend: str, *arrays, ids=None, num_rows: int | None = None,
-               fits: bool = True, big_enough: bool = True) -> bool:
+               fits: bool = True, big_enough: bool = True, quantized: bool = False) -> bool:
   """:func:`decide` for one operation on ``arrays`` (and, for row ops, ``ids`` of a
-  ``num_rows``-row table); ``fits``: the caller's own layout condition."""
-  fits = fits and all(a.dtype == jnp.float32 for a in arrays)
+  ``num_rows``-row table); ``fits``: the caller's own layout condition; ``quantized``: the
+  operation's kernel takes "8bit" quantized moments (others never do)."""
+  fits = fits and all(_takes(a, quantized) for a in arrays)
   if ids is not None:
     fits = fits and _kernel_ids(ids) and num_rows <= np.iinfo(np.int32).max
+  arrays = [x for a in arrays for x in ((a.codes, a.scales) if _quant.is_qarray(a) else (a,))]
   where = placement(*arrays, *(() if ids is None else (ids,)))
   return decide(backend, built=kernel_built(), fits=fits, where=where, big_enough=big_enough)

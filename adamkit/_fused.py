@@ -45,9 +45,9 @@ import numpy as np
 import optax
 from jax.experimental.shard_alike import shard_alike
 
-from adamkit import _adam, _backend, _links, _masks, _ops, _schedules, _validate
+from adamkit import _adam, _backend, _links, _masks, _ops, _quant, _schedules, _validate
 from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
-from adamkit._tree import leaf_names, place_scalars_like, replicated_like, zero_moments
+from adamkit._tree import leaf_names, place_scalars_like, replicated_like
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -56,6 +56,12 @@ class FlatMoments(Mapping):
   the leaves of that dtype back to back in the params' tree order, and (static, in the
   tree structure) where each leaf lies, so that a state can be read and written by
   parameter name (:func:`adamkit.state_dict`, the framework importers) without the params.
+
+  Quantized moments (``mu_dtype="8bit"`` etc.) live in one flat quantized buffer keyed by
+  the format's kind (a ``QuantizedArray`` of shape ``(n,)``), each leaf from a block's
+  start, taking whole blocks; it reads back (dequantized) as a flat float32 buffer with
+  the same offsets. Leaves under the format's ``min_size`` keep float32 moments (key
+  ``"float32"``).
 
   ``slots``: ``(leaf name, shape, buffer key, offset)`` per param leaf, in tree order.
 
@@ -100,9 +106,9 @@ class FlatMoments(Mapping):
 class FusedAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
   # First and second moment (AdaMax: infinity norm), ``mu_dtype``/``nu_dtype`` or the
-  # params' dtype. Per leaf: trees of the params' shapes. Multi-tensor: a
-  # :class:`FlatMoments` {dtype name: 1-D buffer} holding the leaves of that moment dtype
-  # back to back, in the params' tree order.
+  # params' dtype. Per leaf: trees of the params' shapes (a quantized leaf's moment is a
+  # QuantizedArray). Multi-tensor: a :class:`FlatMoments` {dtype name or quantized kind:
+  # 1-D buffer} holding the leaves of that moment storage back to back, in tree order.
   mu: Any
   nu: Any
 
@@ -192,25 +198,66 @@ class _Leaf(NamedTuple):
   v_at: int | None
 
 
-def _flat_layout(leaves, dtype_of) -> tuple[list[tuple[str, int]], dict[str, int]]:
-  """Multi-tensor layout: leaves of one moment dtype back to back, in tree order. Returns
-  each leaf's ``(buffer key, offset)`` and each buffer's size."""
-  sizes: dict[str, int] = {}
+def _storage(p, fmt, role: str):
+  """How the ``role`` ("mu" or "nu") moment of leaf ``p`` is stored, given ``mu_dtype``
+  or ``nu_dtype`` as :func:`adamkit._quant.as_format` made it: a dtype, or a
+  :class:`adamkit._quant.Format` (a quantized leaf of at least ``min_size`` elements;
+  smaller ones keep float32)."""
+  if _quant.is_quantized(fmt):
+    if int(np.prod(np.shape(p))) >= fmt.min_size:
+      return _quant.resolve(fmt, role)
+    return jnp.dtype(jnp.float32)
+  return jnp.dtype(fmt if fmt is not None else p.dtype)
+
+
+def _key(store) -> str:
+  return store.kind if isinstance(store, _quant.Format) else store.name
+
+
+def _flat_layout(leaves, store_of) -> tuple[list[tuple[str, int]], dict[str, tuple]]:
+  """Multi-tensor layout: leaves of one moment storage back to back, in tree order (a
+  quantized leaf from a block's start, in whole blocks). Returns each leaf's ``(buffer
+  key, offset)`` and each buffer's ``(size, storage)``."""
+  sizes: dict[str, tuple] = {}
   slots = []
   for leaf in leaves:
-    key = jnp.dtype(dtype_of(leaf)).name
-    slots.append((key, sizes.get(key, 0)))
-    sizes[key] = sizes.get(key, 0) + int(np.prod(np.shape(leaf)))
+    store = store_of(leaf)
+    key = _key(store)
+    at = sizes.get(key, (0,))[0]
+    n = int(np.prod(np.shape(leaf)))
+    if isinstance(store, _quant.Format):
+      n = -(-n // store.block_size) * store.block_size
+    slots.append((key, at))
+    sizes[key] = (at + n, store)
   return slots, sizes
 
 
-def _flat_zeros(params, dtype_of) -> FlatMoments:
-  """Zero multi-tensor moments for ``params``, ``dtype_of(leaf)`` each."""
+def _zero_moment(p, store):
+  """A zero moment for leaf ``p`` stored as ``store`` (see :func:`_storage`)."""
+  if isinstance(store, _quant.Format):
+    return _quant.zeros(tuple(np.shape(p)), store)
+  return jnp.zeros_like(p, dtype=store)
+
+
+def _flat_buffer(n: int, store):
+  return _quant.zeros((n,), store) if isinstance(store, _quant.Format) else jnp.zeros([n], store)
+
+
+def _flat_zeros(params, store_of) -> FlatMoments:
+  """Zero multi-tensor moments for ``params``, stored as ``store_of(leaf)`` says."""
   leaves = jax.tree.leaves(params)
-  slots, sizes = _flat_layout(leaves, dtype_of)
+  slots, sizes = _flat_layout(leaves, store_of)
   layout = tuple((name, tuple(np.shape(p)), key, at)
                  for name, p, (key, at) in zip(leaf_names(params), leaves, slots))
-  return FlatMoments({k: jnp.zeros([n], k) for k, n in sizes.items()}, layout)
+  return FlatMoments({k: _flat_buffer(n, store) for k, (n, store) in sizes.items()}, layout)
+
+
+def _describe(buf) -> Any:
+  """Shapes and dtypes of a moment buffer (and a quantized one's format), to compare."""
+  if _quant.is_qarray(buf):
+    return (buf.fmt.kind, buf.fmt.block_size, tuple(buf.shape), tuple(np.shape(buf.codes)),
+            tuple(np.shape(buf.scales)))
+  return (tuple(np.shape(buf)), getattr(getattr(buf, "dtype", None), "name", None))
 
 
 def _slots(leaf: _Leaf, n: int) -> tuple[tuple, tuple]:
@@ -246,22 +293,31 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad, want
   if amsgrad:
     fields.append(("nu_max", state.nu_max, nu_of))
   if multi_tensor:
-    for name, bufs, dtype_of in fields:
-      sizes = _flat_layout(leaves, dtype_of)[1]
-      got = ({k: (np.shape(b), getattr(getattr(b, "dtype", None), "name", None))
-              for k, b in bufs.items()} if isinstance(bufs, FlatMoments) else type(bufs).__name__)
-      if got != {k: ((n,), k) for k, n in sizes.items()}:
+    for name, bufs, store_of in fields:
+      sizes = _flat_layout(leaves, store_of)[1]
+      got = ({k: _describe(b) for k, b in bufs.items()} if isinstance(bufs, FlatMoments)
+             else type(bufs).__name__)
+      want = {k: _describe(jax.eval_shape(lambda n=n, st=st: _flat_buffer(n, st)))
+              for k, (n, st) in sizes.items()}
+      if got != want:
         raise ValueError(f"The multi-tensor state's {name} buffers {got} do not match the "
-                         f"params (expected {sizes}): was the state made by this optimizer "
-                         "(multi_tensor=True) for these params?")
+                         f"params and mu_dtype/nu_dtype (expected {want}): was the state made "
+                         "by this optimizer (multi_tensor=True) for these params?")
     return
   treedef = jax.tree.structure(params)
-  for name, moments, _ in fields:
-    if jax.tree.structure(moments) != treedef:
+  for name, moments, store_of in fields:
+    if jax.tree.structure(moments, is_leaf=_quant.is_qarray) != treedef:
       raise ValueError(f"The state's {name} tree does not match the params tree (a "
                        "multi-tensor state, or one made for other params?).")
-    for leaf, p, m in zip(names, leaves, jax.tree.leaves(moments)):
-      if np.shape(m) != np.shape(p) or not jnp.issubdtype(m.dtype, jnp.floating):
+    for leaf, p, m in zip(names, leaves, jax.tree.leaves(moments, is_leaf=_quant.is_qarray)):
+      store = store_of(p)
+      if isinstance(store, _quant.Format) or _quant.is_qarray(m):
+        want = _describe(jax.eval_shape(lambda p=p, st=store: _zero_moment(p, st)))
+        if _describe(m) != want:
+          raise ValueError(f"state.{name} of '{leaf}' is stored as {_describe(m)}; this "
+                           f"optimizer stores it as {want} (format, block size, shape, codes, "
+                           "scales): a state quantized with another mu_dtype/nu_dtype?")
+      elif np.shape(m) != np.shape(p) or not jnp.issubdtype(m.dtype, jnp.floating):
         raise ValueError(f"state.{name} of '{leaf}' has shape {np.shape(m)} and dtype "
                          f"{m.dtype}; the param has shape {np.shape(p)}: a moment must be a "
                          "floating-point array of its param's shape.")
@@ -300,18 +356,20 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     _validate.check_non_negative("weight_decay", weight_decay)
   lr_schedule = _schedules.as_schedule(learning_rate, "learning_rate")
   decays = callable(weight_decay) or weight_decay != 0
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+  mu_fmt = _quant.as_format("mu_dtype", mu_dtype)
+  nu_fmt = _quant.as_format("nu_dtype", nu_dtype)
   kind = "adamax" if algo == "adamax" else eps_mode
   state_cls = (FusedAmsgradState if amsgrad else
                FusedAdamaxState if algo == "adamax" else FusedAdamState)
-  mu_of = lambda p: mu_dtype or p.dtype
-  nu_of = lambda p: nu_dtype or p.dtype
+  mu_of = lambda p: _storage(p, mu_fmt, "mu")
+  nu_of = lambda p: _storage(p, nu_fmt, "nu")
 
   def init_fn(params):
     _validate.check_float_params(params)
     if not multi_tensor:
-      mu, nu = zero_moments(params, mu_dtype, nu_dtype)
+      # zeros_like: each moment keeps its param's sharding and memory kind
+      mu, nu = (jax.tree.map(lambda p, of=of: _zero_moment(p, of(p)), params)
+                for of in (mu_of, nu_of))
     else:
       leaves = jax.tree.leaves(params)
       for name, leaf in zip(leaf_names(params), leaves):
@@ -320,11 +378,12 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
               f"Param '{name}' is sharded over a mesh with Explicit axes; multi_tensor=True "
               "keeps every leaf's moments in one flat buffer, which cannot follow that "
               "sharding. Use multi_tensor=False (moments sharded like their params).")
-      mu, nu = (_flat_zeros(params, dtype_of) for dtype_of in (mu_of, nu_of))
+      mu, nu = (_flat_zeros(params, store_of) for store_of in (mu_of, nu_of))
       # Placed as the jitted step returns them (committed params: one compilation).
-      flat = replicated_like(params, ndim=1)
-      if flat is not None:
-        mu, nu = jax.device_put((mu, nu), flat)
+      # (a spec per axis, as jit writes it: 1-D buffers, 2-D codes of a quantized one)
+      if replicated_like(params) is not None:
+        mu, nu = jax.tree.map(lambda x: jax.device_put(x, replicated_like(params, x.ndim)),
+                              (mu, nu))
     count = jnp.zeros([], jnp.int32)
     if amsgrad:
       state = FusedAmsgradState(count=count, mu=mu, nu=nu, nu_max=jax.tree.map(jnp.copy, nu))
@@ -358,6 +417,11 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
           decay = False
         if not lazy:
           g = g.todense(like=p)
+        elif any(isinstance(of(p), _quant.Format) for of in (mu_of, nu_of)):
+          raise NotImplementedError(
+              f"The fused step's lazy row step does not take quantized moments yet ('{name}' "
+              "has a RowSparse gradient): pass lazy=False (its rows densified), keep this "
+              "table's moments in float (a larger min_size), or use ak.sparse_adam.")
       out.append(_Leaf(name, p, g, decay, *m_slot, *v_slot))
     return out
 
@@ -384,7 +448,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     if multi_tensor:
       bufs = [dict(t) for t in trees]
     else:
-      bufs = [dict(enumerate(jax.tree.leaves(t))) for t in trees]
+      bufs = [dict(enumerate(jax.tree.leaves(t, is_leaf=_quant.is_qarray))) for t in trees]
     return hyper, wd, count, bufs
 
   def finish(params, state, count, bufs):
@@ -512,7 +576,16 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       (``weight_decay``: a number or schedule, L2). ``amsgrad=True`` keeps a third buffer,
       the running maximum of :math:`v_t` (8 more bytes of traffic per float32 parameter),
       and the state is a :class:`FusedAmsgradState`.
-    nu_dtype: dtype of the second moment (default: the params' dtype).
+    nu_dtype: dtype of the second moment (default: the params' dtype). Either moment may
+      be quantized, ``ak.Quantized(kind, ...)`` or the kind alone (``"8bit"``, ``"4bit"``,
+      ``"fp8"``; AMSGrad's running maximum takes ``nu_dtype``'s format): the step
+      dequantizes, updates in float32 and requantizes. ``"8bit"`` runs on the C++ kernel,
+      one pass per block of 256 (read p, g and the 1-byte codes; write p and the codes: 16
+      bytes per parameter instead of 28) with the codes of the XLA path bit for bit;
+      ``"4bit"`` and ``"fp8"`` run on XLA. In multi-tensor mode the quantized leaves share
+      one flat buffer of codes (each leaf from a block's start) keyed by the kind; leaves
+      under ``min_size`` keep float32 moments. A lazy row-sparse leaf does not take
+      quantized moments yet (``NotImplementedError``; ``lazy=False`` densifies it).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (Paddle ``use_multi_tensor``);
       ``False``: state shaped like the params (and sharded like them), one kernel call per
@@ -557,6 +630,11 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     >>> state = opt.init(params)
     >>> type(state).__name__, state.nu_max["float32"].shape
     ('FusedAmsgradState', (2,))
+
+    >>> opt = ak.fused_adam(0.1, mu_dtype="8bit", nu_dtype="8bit")  # 2.03 bytes per param
+    >>> state = opt.init({"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)})
+    >>> state.mu["8bit"].codes.dtype, state.mu["8bit"].codes.shape, state.mu["float32"].shape
+    (dtype('uint8'), (64, 256), (256,))
 
   References:
     DeepSpeed ``DeepSpeedCPUAdam`` (a one-pass CPU Adam for offloading) and

@@ -10,16 +10,23 @@ a write outside a buffer.
 The state of a step is a tuple of moment buffers, ``(m, v)``, or ``(m, v, vmax)`` with
 AMSGrad (:attr:`Hyper.amsgrad`), each with an optional offset: ``None`` means the buffer is
 the leaf's own array (shaped like the param); an int means the leaf's moment lies flat in
-the 1-D buffer from that element (the multi-tensor layout of ``ak.fused_adam``). A
-table's own moment may also be stored quantized (:class:`adamkit._quant.QuantizedArray`,
-blocks within rows): the lazy row step then reads and writes the touched rows' codes and
-scales, always in XLA (the kernel takes float32 buffers). The rule of a step (eps
-placement, Nesterov, AMSGrad, L2 or decoupled decay, bias correction or none) is its
-:class:`Hyper`.
+the 1-D buffer from that element (the multi-tensor layout of ``ak.fused_adam``). The rule
+of a step (eps placement, Nesterov, AMSGrad, L2 or decoupled decay, bias correction or
+none) is its :class:`Hyper`.
+
+A dense step's moment buffer may also be quantized (:class:`adamkit._quant.QuantizedArray`:
+codes and one scale per block): the leaf's own (``None``), or a flat one of shape ``(n,)``
+in which each leaf starts a block (offsets are elements, multiples of the block; a leaf
+takes its size rounded up to whole blocks). The step reads it dequantized and stores its
+new value quantized; the kernel does both per block in its one pass ("8bit" only).
+
+A table's own moment may also be stored quantized (blocks within rows): the lazy row
+step then reads and writes the touched rows' codes and scales, always in XLA.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -151,12 +158,15 @@ def dense_step(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array]
 
   ``state``: the moment buffers ``(m, v)``, or ``(m, v, vmax)`` with AMSGrad: one leaf's
   own arrays (``at=None``), or flat buffers holding the leaves' moments, leaf ``j`` of
-  buffer ``b`` from offset ``at[b][j]``. ``decay``: ``g + wd * w`` first (L2) or, with
-  ``h.decoupled``, ``u + wd * w`` before the learning rate (AdamW). Returns ``(params,
-  state)``; the reference's rounding points: direction in the gradient's dtype, the
-  decoupled decay, the learning rate, then the params' dtype."""
+  buffer ``b`` from offset ``at[b][j]``; any of them may be quantized (see the module
+  docstring). ``decay``: ``g + wd * w`` first (L2) or, with ``h.decoupled``, ``u + wd * w``
+  before the learning rate (AdamW). Returns ``(params, state)``; the reference's rounding
+  points: direction in the gradient's dtype, the decoupled decay, the learning rate, then
+  the params' dtype."""
   params, grads, state = list(params), list(grads), _check_state(h, state)
   offsets = _check_dense(params, grads, state, at)
+  if any(_quant.is_qarray(b) for b in state):
+    return _dense_quantized(h, params, grads, state, offsets, at is not None, decay, backend)
   sizes = [p.size for p in params]
   contiguous = at is None or (all(a == offsets[0] for a in offsets) and all(
       offsets[0][j + 1] == offsets[0][j] + sizes[j] for j in range(len(params) - 1)))
@@ -194,19 +204,115 @@ def _check_dense(params, grads, state, at) -> list:
     if g.shape != p.shape:
       raise ValueError(f"A gradient of shape {g.shape} for a param of shape {p.shape}.")
     for buf, a, name in zip(state, offsets, STATE_NAMES):
-      check_moments(buf, a[j], p.shape, name)
+      if _quant.is_qarray(buf):
+        _check_quantized(buf, a[j], p.shape, name)
+      else:
+        check_moments(buf, a[j], p.shape, name)
   return offsets
 
 
+def _span(buf, size: int) -> int:
+  """Elements a leaf of ``size`` takes in ``buf``: whole blocks of a quantized buffer."""
+  if _quant.is_qarray(buf):
+    b = buf.fmt.block_size
+    return -(-size // b) * b
+  return size
+
+
+def _check_quantized(q, at: int | None, shape: tuple, what: str) -> None:
+  """A quantized ``q`` must be stored as its format lays out its shape (codes, scales)
+  and hold a leaf of ``shape``: be of that shape (``at=None``) or flat, the leaf from
+  element ``at``, a multiple of the block."""
+  expected = jax.eval_shape(lambda: _quant.zeros(q.shape, q.fmt))
+  got = (tuple(q.codes.shape), q.codes.dtype, tuple(q.scales.shape), q.scales.dtype)
+  want = (expected.codes.shape, expected.codes.dtype, expected.scales.shape,
+          expected.scales.dtype)
+  if got != want:
+    raise ValueError(f"The quantized {what} of shape {q.shape} ('{q.fmt.kind}', blocks of "
+                     f"{q.fmt.block_size}) has codes {got[1]}{got[0]} and scales "
+                     f"{got[3]}{got[2]}; its format stores codes {want[1]}{want[0]} and "
+                     f"scales {want[3]}{want[2]}.")
+  size = int(np.prod(shape, dtype=np.int64))
+  if at is None:
+    if tuple(q.shape) != tuple(shape):
+      raise ValueError(f"The quantized {what} has shape {tuple(q.shape)}, expected "
+                       f"{tuple(shape)} (the param's shape).")
+  elif (len(q.shape) != 1 or at % q.fmt.block_size
+        or not 0 <= at <= q.shape[0] - _span(q, size)):
+    raise ValueError(f"The quantized {what} buffer of shape {tuple(q.shape)} (blocks of "
+                     f"{q.fmt.block_size}) cannot hold {size} elements from offset {at} "
+                     "(a leaf starts a block and takes whole blocks).")
+
+
+def _load(buf, at: int | None, shape: tuple):
+  """The leaf moment of ``shape`` held in ``buf`` (see :func:`view`), float32 if quantized."""
+  if not _quant.is_qarray(buf):
+    return view(buf, at, shape)
+  if at is None:
+    return _quant.dequantize(buf)
+  first, n = at // buf.fmt.block_size, _span(buf, int(np.prod(shape, dtype=np.int64)))
+  blocks = n // buf.fmt.block_size
+  leaf = _quant.QuantizedArray(lax.slice_in_dim(buf.codes, first, first + blocks),
+                               lax.slice_in_dim(buf.scales, first, first + blocks),
+                               (n,), buf.fmt)
+  return _quant.dequantize(leaf)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
+
+
+def _store(buf, at: int | None, x):
+  """``buf`` with the leaf moment ``x`` written back (see :func:`put`), quantized if
+  ``buf`` is."""
+  if not _quant.is_qarray(buf):
+    return put(buf, at, x)
+  if at is None:
+    return _quant.store(x, buf)
+  leaf = _quant.quantize(x.reshape(-1), buf.fmt)
+  first = at // buf.fmt.block_size
+  codes = lax.dynamic_update_slice(buf.codes, leaf.codes.reshape((-1,) + buf.codes.shape[1:]),
+                                   (first, 0))
+  scales = lax.dynamic_update_slice(buf.scales, leaf.scales.reshape(-1), (first,))
+  return dataclasses.replace(buf, codes=codes, scales=scales)
+
+
+def _dense_quantized(h: Hyper, params, grads, state, offsets, flat: bool, decay: bool,
+                     backend: str):
+  """:func:`dense_step` with quantized moment buffers. The kernel takes float32 and "8bit"
+  buffers of one block size, the leaves back to back in each buffer."""
+  blocks = {b.fmt.block_size for b in state if _quant.is_qarray(b)}
+  block = next(iter(blocks))
+  contiguous = not flat or all(
+      a[j + 1] == a[j] + _span(buf, params[j].size)
+      for buf, a in zip(state, offsets) for j in range(len(params) - 1))
+  if _backend.use_kernel(backend, *params, *grads, *state, fits=contiguous and len(blocks) == 1,
+                         quantized=True,
+                         big_enough=flat or sum(p.size for p in params) >= _backend.MIN_LEAF):
+    variant, s = _kernel_args(h)
+    ffi = _backend.native_ffi
+    kstate = tuple(ffi.Codes(b.codes, b.scales, _quant.code_book(b.fmt.kind, b.fmt.role),
+                             _quant._midpoints(b.fmt.kind, b.fmt.role))
+                   if _quant.is_qarray(b) else b for b in state)
+    out = []
+    for lo in range(0, len(params), LEAVES_PER_CALL):
+      hi = min(lo + LEAVES_PER_CALL, len(params))
+      starts = [0 if not flat else a[lo] // block if _quant.is_qarray(b) else a[lo]
+                for b, a in zip(state, offsets)]
+      ps, kstate = ffi.dense_step_quantized(variant, s, params[lo:hi], grads[lo:hi], kstate,
+                                            offsets=starts, block=block, decay=decay)
+      out += ps
+    state = tuple(dataclasses.replace(b, codes=k.codes, scales=k.scales)
+                  if _quant.is_qarray(b) else k for b, k in zip(state, kstate))
+    return out, state
+  return _dense_xla(_dense_leaf, h, params, grads, state, offsets, decay)
+
+
 def _dense_xla(leaf_fn, h: Hyper, params, grads, state, offsets, decay: bool):
-  """XLA's loop over the leaves: ``leaf_fn`` on each leaf's moment views, the new moments
-  written back into their buffers."""
+  """XLA's loop over the leaves: ``leaf_fn`` on each leaf's moments (dequantized), the new
+  moments written back into their buffers (quantized)."""
   out = []
   for j, (p, g) in enumerate(zip(params, grads)):
-    olds = [view(buf, a[j], p.shape) for buf, a in zip(state, offsets)]
+    olds = [_load(buf, a[j], p.shape) for buf, a in zip(state, offsets)]
     new_p, *news = leaf_fn(h, p, g, olds, decay)
     out.append(new_p)
-    state = tuple(put(buf, a[j], x) for buf, a, x in zip(state, offsets, news))
+    state = tuple(_store(buf, a[j], x) for buf, a, x in zip(state, offsets, news))
   return out, state
 
 

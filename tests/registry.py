@@ -89,6 +89,10 @@ REGISTRY = {
     "sparse_adamw_8bit": lambda lr: ak.sparse_adamw(lr, mu_dtype=Q8, nu_dtype=Q8),
     "offload_sparse_adam_8bit_state": lambda lr: ak.offload(
         ak.sparse_adam(lr, mu_dtype=Q8, nu_dtype=Q8), mode="state"),
+    # issue 19: the fused step with 8-bit moments (min_size=0: the suites' small leaves are
+    # quantized too), multi-tensor (flat code buffers)
+    "fused_adamw_8bit": lambda lr: ak.fused_adamw(
+        lr, mu_dtype=ak.Quantized("8bit", min_size=0), nu_dtype=ak.Quantized("8bit", min_size=0)),
 }
 
 NAMES = sorted(REGISTRY)
@@ -98,11 +102,11 @@ NAMES = sorted(REGISTRY)
 #   missing "learning-rate link" (the rate is the schedule's at `count`);
 NO_LR_RECORD = ("fused_adam", "fused_adam_per_leaf", "fused_adamax", "master_weights_fused_adam",
                 "fused_adamw", "fused_adam_amsgrad_per_leaf", "fused_adamw_amsgrad",
-                "offload_fused_adam_state", "offload_fused_adamax_compute")
+                "offload_fused_adam_state", "offload_fused_adamax_compute", "fused_adamw_8bit")
 # - multi-tensor moments are flat buffers (one per dtype), which cannot take a param's
 #   sharding: the params keep theirs, the buffers are laid out by XLA.
 FLAT_STATE = ("fused_adam", "fused_adamax", "master_weights_fused_adam", "fused_adamw",
-              "fused_adamw_amsgrad", "offload_fused_adam_state")
+              "fused_adamw_amsgrad", "offload_fused_adam_state", "fused_adamw_8bit")
 
 # The entries that take RowSparse gradients (the others refuse them with a TypeError).
 SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",

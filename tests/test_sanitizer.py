@@ -3,8 +3,9 @@
 Builds ``adamkit/_cpu/adam_kernels.cc`` with ``-fsanitize=address,undefined`` and drives
 every entry point (``sparse_adam`` and ``sparse_adamw(amsgrad=True)`` + ``apply_updates``,
 ``fused_adam`` and ``fused_adamw(amsgrad=True)`` per leaf and multi-tensor with a table
-between dense leaves, ``fused_sparse_lazy_adam``, the dense step of every variant, and each
-kernel called directly past the Python checks) with adversarial inputs, in a
+between dense leaves, ``fused_sparse_lazy_adam``, the dense step of every variant, the
+dense step with 8-bit quantized moments, and each kernel called directly past the Python
+checks) with adversarial inputs, in a
 subprocess with AddressSanitizer preloaded. Passes when the subprocess reports zero
 sanitizer errors and no row of a table or moment that no valid id addresses has changed.
 Skipped, with the reason, only where no C++ compiler (or no ASan runtime) exists.
@@ -238,6 +239,53 @@ def _drive():  # noqa: C901 - one list of cases
           **dict(lazy_ams, apply=False))
   for rows, t in [(f32(2, 8), tbl), (f32(4, 3), tbl), (f32(4, 8, 1), tbl), (f32(4), f32(100, 1))]:
     refused(call, "adamkit_cpu_row_add", sd(t), ids, rows, t)
+  # --- the quantized dense step (8-bit moments): public API on leaves of sizes 0, 1, 17,
+  # 300 (partial blocks) and one split over the thread pool, NaN/Inf gradients
+  q8 = ak.Quantized("8bit", min_size=0)
+  quantized = [functools.partial(ak.fused_adamw, mu_dtype=q8, nu_dtype=q8, amsgrad=True),
+               functools.partial(ak.fused_adam, mu_dtype=q8, weight_decay=0.1),
+               functools.partial(ak.fused_adamax, nu_dtype=ak.Quantized("8bit", 64, 0))]
+  for sizes, make, mt in itertools.product([(1,), (17, 0, 300), (300_000,), (5, 200_000)],
+                                           quantized, (True, False)):
+    opt = make(0.1, multi_tensor=mt, backend="kernel")
+    params = {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(sizes)}
+    grads = {k: jnp.where(jnp.arange(x.size) % 7 == 0, jnp.nan, x * 1e30) for k, x in params.items()}
+    jax.block_until_ready(jax.jit(opt.step)(params, opt.init(params), grads=grads))
+    counts["cases"] += 1
+
+  # --- the quantized kernel called directly with malformed buffers: the handler refuses
+  u8 = lambda *s: jnp.zeros(s, jnp.uint8)
+  mid = jnp.asarray(np.sort(rng.normal(size=255)), jnp.float32)
+  book = f32(256)
+  q_attrs = dict(kind=np.int64(1), nesterov=False, decay=np.int64(2), amsgrad=False,
+                 state=np.int64(2), quantized=np.array([1, 1], np.int64),
+                 offsets=np.array([0, 0], np.int64), block=np.int64(256))
+  n = 1000  # 4 blocks
+  pq, codes, scales = f32(n), u8(4, 256), f32(4)
+  good = [pq, pq, codes, scales, book, mid, codes, scales, book, mid]
+  outs = [sd(pq), sd(codes), sd(scales), sd(codes), sd(scales)]
+  jax.block_until_ready(call("adamkit_cpu_step_quantized", outs, s9, *good, **q_attrs))
+  bad_args = [
+      [pq, f32(999), *good[2:]],  # a gradient shorter than its param
+      [pq, pq, u8(3, 256), *good[3:]],  # fewer codes than scales x block
+      [pq, pq, codes, f32(3), *good[4:]],  # too few blocks for the leaf
+      [pq, pq, codes, scales, f32(255), *good[5:]],  # a short code book
+      [pq, pq, codes, scales, book, f32(254), *good[6:]],  # short midpoints
+      [pq, pq, codes, scales, book, mid[::-1], *good[6:]],  # unsorted midpoints
+      [pq, pq, codes, scales, book, mid.at[3].set(jnp.nan), *good[6:]],
+      [pq, pq, f32(4, 256), *good[3:]],  # float codes
+      [pq, pq, *good[2:9]],  # a buffer missing
+  ]
+  for operands in bad_args:
+    refused(call, "adamkit_cpu_step_quantized", outs, s9, *operands, **q_attrs)
+  for attrs in [dict(q_attrs, block=np.int64(100)), dict(q_attrs, block=np.int64(0)),
+                dict(q_attrs, offsets=np.array([1, 0], np.int64)),
+                dict(q_attrs, offsets=np.array([-1, 0], np.int64)),
+                dict(q_attrs, quantized=np.array([1], np.int64)),
+                dict(q_attrs, quantized=np.array([1, 0], np.int64)),
+                dict(q_attrs, amsgrad=True, state=np.int64(3))]:
+    refused(call, "adamkit_cpu_step_quantized", outs, s9, *good, **attrs)
+  refused(call, "adamkit_cpu_step_quantized", outs[:-1] + [sd(f32(5))], s9, *good, **q_attrs)
   print(f"sanitizer driver: all {counts['cases']} cases held, {counts['refused']} malformed "
         "inputs refused")
 

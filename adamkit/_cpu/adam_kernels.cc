@@ -9,6 +9,8 @@
 // Row-sparse (AdamkitCpuSparseLazy, AdamkitCpuRowAdd): the lazy step on the rows an
 // embedding lookup touched, ids merged in a hash table, each touched row of the table and
 // its moments read and written once, rows prefetched ahead; and the row scatter-add.
+// Quantized (AdamkitCpuStepQuantized): the dense step with 8-bit block-wise moments
+// (adamkit/_quant.py), decoded, stepped and re-encoded per block in one pass.
 // The arithmetic mirrors adamkit's reference formulas operation by operation, without FMA
 // contraction (the scalars, including reciprocals XLA would form, are computed by the
 // caller in JAX).
@@ -17,12 +19,19 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -45,52 +54,67 @@ enum Decay : int64_t { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 constexpr int64_t StateBuffers(bool amsgrad) { return amsgrad ? 3 : 2; }
 constexpr int64_t kMaxStateBuffers = 3;
 
-// store_u: p is an output that receives the direction u (no learning rate, no decay),
-// for the sparse kernel's updates; otherwise p is the parameter, updated in place.
+// The nine scalars, loaded once per loop (see the table above).
+struct Scalars {
+  float b1, omb1, b2, omb2, eps, lr, wd, c1, c2;
+};
+
+inline Scalars LoadScalars(const float* s) {
+  return Scalars{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]};
+}
+
+// The step of one element: from the gradient and the old moments, the new moments and
+// the new parameter (store_u: p receives the direction u, no learning rate, no decay).
 // vmax: AMSGrad's running maximum (read and written only when amsgrad).
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
+inline __attribute__((always_inline)) void Update(const Scalars& k, float gi, float& p, float& m,
+                                                  float& v, float& vmax) {
+  static_assert(!(store_u && decay != kNoDecay), "the direction output takes no decay");
+  static_assert(!(amsgrad && kind == kAdamax), "AdaMax has no AMSGrad form");
+  if (decay == kL2) gi = gi + k.wd * p;
+  float mi = k.b1 * m + k.omb1 * gi;
+  float vi;
+  float u;
+  if (kind == kAdamax) {
+    vi = std::max(k.b2 * v, std::fabs(gi));
+    u = mi / (k.c1 * (vi + k.eps));
+  } else {
+    vi = k.b2 * v + k.omb2 * (gi * gi);
+    float den = vi;
+    if (amsgrad) {
+      // max(vmax, v) with NaN propagated from either side, as jnp.maximum.
+      const float old = vmax;
+      den = (vi != vi || vi > old) ? vi : old;
+      vmax = den;
+    }
+    float n = nesterov ? k.b1 * mi + k.omb1 * gi : mi;
+    if (kind == kAdamHat) {
+      u = k.c1 * n / (std::sqrt(den) + k.eps);
+    } else {
+      u = (n * k.c1) / (std::sqrt(den * k.c2) + k.eps);
+    }
+  }
+  m = mi;
+  v = vi;
+  if (store_u) {
+    p = u;
+  } else {
+    if (decay == kDecoupled) u = u + k.wd * p;
+    p = p + (-k.lr * u);
+  }
+}
+
 template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
 inline __attribute__((always_inline)) void ChunkBody(float* __restrict p, float* __restrict m,
                                                      float* __restrict v,
                                                      float* __restrict vmax,
                                                      const float* __restrict g, const float* s,
                                                      int64_t lo, int64_t hi) {
-  static_assert(!(store_u && decay != kNoDecay), "the direction output takes no decay");
-  static_assert(!(amsgrad && kind == kAdamax), "AdaMax has no AMSGrad form");
-  const float b1 = s[0], omb1 = s[1], b2 = s[2], omb2 = s[3], eps = s[4], lr = s[5],
-              wd = s[6], c1 = s[7], c2 = s[8];
+  const Scalars k = LoadScalars(s);
   for (int64_t i = lo; i < hi; ++i) {
-    float gi = g[i];
-    if (decay == kL2) gi = gi + wd * p[i];
-    float mi = b1 * m[i] + omb1 * gi;
-    float vi;
-    float u;
-    if (kind == kAdamax) {
-      vi = std::max(b2 * v[i], std::fabs(gi));
-      u = mi / (c1 * (vi + eps));
-    } else {
-      vi = b2 * v[i] + omb2 * (gi * gi);
-      float den = vi;
-      if (amsgrad) {
-        // max(vmax, v) with NaN propagated from either side, as jnp.maximum.
-        const float old = vmax[i];
-        den = (vi != vi || vi > old) ? vi : old;
-        vmax[i] = den;
-      }
-      float n = nesterov ? b1 * mi + omb1 * gi : mi;
-      if (kind == kAdamHat) {
-        u = c1 * n / (std::sqrt(den) + eps);
-      } else {
-        u = (n * c1) / (std::sqrt(den * c2) + eps);
-      }
-    }
-    m[i] = mi;
-    v[i] = vi;
-    if (store_u) {
-      p[i] = u;
-    } else {
-      if (decay == kDecoupled) u = u + wd * p[i];
-      p[i] = p[i] + (-lr * u);
-    }
+    float none = 0.0f;
+    Update<kind, nesterov, decay, amsgrad, store_u>(k, g[i], p[i], m[i], v[i],
+                                                    amsgrad ? vmax[i] : none);
   }
 }
 
@@ -528,6 +552,432 @@ ffi::Error RowAdd(ffi::BufferR1<ffi::S32> ids, ffi::Buffer<ffi::F32> rows_in,
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------- 8-bit quantized moments
+//
+// AdamkitCpuStepQuantized: the dense step with some state buffers stored in adamkit's
+// "8bit" format (adamkit/_quant.py): uint8 codes and one float32 scale per block of B
+// consecutive elements, value = book[code] * scale. Per block, in one pass over memory:
+// decode the block's moments into float32 scratch, run the float32 step's own loop
+// (ChunkBody) on it, then encode: non-finite values are stored as 0 (and the second
+// moments, buffers 1 and 2, clamped at 0), scale = max(max |x|, 1e-12), and each code is
+// the nearest entry of the code book, ties up: the number of midpoints <= x * (1 / scale)
+// (XLA rewrites _quant's x / scale into that product; the codes are bit for bit _quant's
+// under jit). The code books and midpoints come from Python (_quant.code_book), so there
+// is one definition of the format.
+
+constexpr int64_t kBook = 256;          // codes per book
+constexpr int64_t kMaxBlock = 1 << 20;  // elements per block (bounds the scratch)
+constexpr float kScaleFloor = 1e-12f;   // _quant.SCALE_FLOOR
+
+// The nearest-code search. A table indexed by a float's sign, exponent and top 9 mantissa
+// bits (a bucket) gives the number of midpoints below the bucket and the one midpoint
+// inside it, if any (the dynamic maps' closest midpoints are 0.35% apart, a bucket at most
+// 0.2% wide): the code is that count plus one if r is at or above the midpoint. Inside a
+// bucket every float shares its sign, exponent and top bits, so the comparison is one of
+// the 14 low bits, flipped for negative floats (where a larger magnitude is a smaller
+// value); table entry = count | low bits << 8, "no midpoint" = 2^14. One gather per eight
+// codes. The first bucket of each sign takes every |r| below 2^-24 too, the last every
+// |r| from the top of [1, 2) up; neither may hold a midpoint. A code book that breaks these
+// rules falls back to a binary search.
+class CodeSearch {
+ public:
+  // False when the midpoints are not finite and sorted.
+  bool Init(const float* mid) {
+    for (int64_t i = 0; i < kBook - 1; ++i) {
+      if (!std::isfinite(mid[i]) || (i > 0 && mid[i] < mid[i - 1])) return false;
+      mid_[i] = mid[i];
+    }
+    mid_[kBook - 1] = INFINITY;  // never <= a finite r
+    table_ok_ = true;
+    for (int64_t sign = 0; sign < 2; ++sign) {
+      for (int64_t k = 0; k < kBuckets; ++k) {
+        float lo, hi;
+        const bool wide = Bucket(k, &lo, &hi);
+        if (sign) {  // the negative floats of those magnitudes
+          const float neg_lo = -hi;
+          hi = -lo;
+          lo = neg_lo;
+        }
+        const int64_t below = std::lower_bound(mid_, mid_ + kBook - 1, lo) - mid_;
+        const int64_t upto = std::upper_bound(mid_, mid_ + kBook - 1, hi) - mid_;
+        int32_t low = kNever;
+        if (upto > below) {
+          table_ok_ = table_ok_ && upto - below == 1 && !wide;
+          uint32_t bits;
+          std::memcpy(&bits, &mid_[below], 4);
+          low = static_cast<int32_t>((bits & kLow) ^ (sign ? kLow : 0u));
+        }
+        entry_[sign * kBuckets + k] = static_cast<int32_t>(below) | (low << 8);
+      }
+    }
+    return true;
+  }
+
+  // Whether the table holds (else Code() searches).
+  bool fast() const { return table_ok_; }
+
+  uint8_t Code(float r) const {
+    if (!table_ok_) {
+      return static_cast<uint8_t>(std::upper_bound(mid_, mid_ + kBook - 1, r) - mid_);
+    }
+    uint32_t bits;
+    std::memcpy(&bits, &r, 4);
+    const int32_t k = std::min(std::max(static_cast<int32_t>((bits & 0x7FFFFFFFu) >> kShift), kFirst),
+                               kLast) - kFirst;
+    const int32_t entry = entry_[(bits >> 31) * kBuckets + k];
+    const int32_t low = static_cast<int32_t>((bits & kLow) ^ ((bits >> 31) ? kLow : 0u));
+    return static_cast<uint8_t>((entry & 0xFF) + (low >= (entry >> 8)));
+  }
+
+#ifdef ADAMKIT_AVX2
+  // Code() of x[i] * inv for i < n (a multiple of 8), eight at a time (needs fast()).
+  __attribute__((target("avx2"))) void CodesAvx2(const float* x, float inv, int64_t n,
+                                                 uint8_t* out) const {
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i byte = _mm256_set1_epi32(0xFF), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i low_bits = _mm256_set1_epi32(kLow), one = _mm256_set1_epi32(1);
+    const __m256i first = _mm256_set1_epi32(kFirst), last = _mm256_set1_epi32(kLast);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
+      const __m256i bits = _mm256_castps_si256(r);
+      const __m256i k = _mm256_sub_epi32(
+          _mm256_min_epi32(_mm256_max_epi32(
+                               _mm256_srli_epi32(_mm256_and_si256(bits, magnitude), kShift), first),
+                           last),
+          first);
+      const __m256i sign = _mm256_srai_epi32(bits, 31);  // all ones for a negative float
+      const __m256i idx = _mm256_add_epi32(k, _mm256_and_si256(sign, _mm256_set1_epi32(kBuckets)));
+      const __m256i entry = _mm256_i32gather_epi32(entry_, idx, 4);
+      const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low_bits),
+                                           _mm256_and_si256(sign, low_bits));
+      const __m256i code = _mm256_add_epi32(  // count + 1 - (midpoint's bits > r's bits)
+          _mm256_add_epi32(_mm256_and_si256(entry, byte), one),
+          _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 8), low));
+      const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                           _mm256_extracti128_si256(code, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packus_epi16(c16, c16));
+    }
+  }
+#endif
+
+ private:
+  static constexpr int32_t kBits = 9;  // mantissa bits of a bucket
+  static constexpr int32_t kShift = 23 - kBits;
+  // A bucket is a magnitude's bits >> kShift (exponent and top mantissa bits), clamped to
+  // [kFirst, kLast]: from 2^-24 to the top of [1, 2).
+  static constexpr int32_t kFirst = (127 - 24) << kBits, kLast = (128 << kBits) - 1;
+  static constexpr int32_t kBuckets = kLast - kFirst + 1;  // per sign
+  static constexpr uint32_t kLow = (1u << kShift) - 1;  // the bits below a bucket's
+  static constexpr int32_t kNever = 1 << kShift;      // above any low bits: no midpoint
+
+  // The magnitudes [lo, hi] of bucket k; the first starts at 0, the last ends at +inf:
+  // true for those two (their low bits do not order their values).
+  static bool Bucket(int64_t k, float* lo, float* hi) {
+    uint32_t a = static_cast<uint32_t>(kFirst + k) << kShift, b = a | kLow;
+    std::memcpy(lo, &a, 4);
+    std::memcpy(hi, &b, 4);
+    if (k == 0) *lo = 0.0f;
+    if (k == kBuckets - 1) *hi = INFINITY;
+    return k == 0 || k == kBuckets - 1;
+  }
+
+  float mid_[kBook];  // the 255 midpoints, then +inf (the binary search's)
+  int32_t entry_[2 * kBuckets];
+  bool table_ok_ = false;
+};
+
+// One search per distinct set of midpoints (the formats' books are few), built once;
+// nullptr when the midpoints are not finite and sorted.
+std::shared_ptr<const CodeSearch> SearchFor(const float* mid) {
+  struct Entry {
+    std::vector<float> mid;
+    std::shared_ptr<const CodeSearch> search;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& c : cache) {
+    if (std::equal(c.mid.begin(), c.mid.end(), mid)) return c.search;
+  }
+  auto search = std::make_shared<CodeSearch>();
+  if (!search->Init(mid)) return nullptr;
+  if (cache.size() >= 16) cache.erase(cache.begin());  // bounded (a caller keeps its own)
+  cache.push_back(Entry{std::vector<float>(mid, mid + kBook - 1), search});
+  return search;
+}
+
+// One state buffer of the quantized step: float32 moments, or codes + scales.
+struct QBuffer {
+  bool quantized = false;
+  bool nonneg = false;  // a second moment (or its running maximum): stored clamped at 0
+  float* f = nullptr;   // float32: the moments
+  uint8_t* codes = nullptr;
+  float* scales = nullptr;
+  const float* book = nullptr;
+  std::shared_ptr<const CodeSearch> search;
+};
+
+struct QLeaf {
+  float* p;
+  const float* g;
+  int64_t n;
+  int64_t at[kMaxStateBuffers];  // float32 buffers: element offset; quantized: block offset
+};
+
+// Decodes c values of block `blk` of buffer b into x.
+inline void DecodeBlock(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
+  const uint8_t* code = b.codes + blk * block;
+  const float scale = b.scales[blk];
+  for (int64_t i = 0; i < c; ++i) x[i] = b.book[code[i]] * scale;
+}
+
+// The values of x as _quant.encode_blocks stores them (non-finite: 0; a second moment:
+// clamped at 0), and their largest magnitude.
+inline float Sanitize(bool nonneg, int64_t c, float* x) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < c; ++i) {
+    float xi = std::isfinite(x[i]) ? x[i] : 0.0f;
+    if (nonneg) xi = std::max(xi, 0.0f);
+    x[i] = xi;
+    amax = std::max(amax, std::fabs(xi));
+  }
+  return amax;
+}
+
+#ifdef ADAMKIT_AVX2
+__attribute__((target("avx2"))) void DecodeAvx2(const uint8_t* code, const float* book,
+                                                float scale, int64_t c, float* x) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= c; i += 8) {
+    const __m256i k = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code + i)));
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_i32gather_ps(book, k, 4), vs));
+  }
+  for (; i < c; ++i) x[i] = book[code[i]] * scale;
+}
+
+__attribute__((target("avx2"))) float SanitizeAvx2(bool nonneg, int64_t c, float* x) {
+  const __m256i exp = _mm256_set1_epi32(0x7F800000);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= c; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i inf_or_nan = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exp), exp);
+    v = _mm256_andnot_ps(_mm256_castsi256_ps(inf_or_nan), v);
+    if (nonneg) v = _mm256_max_ps(v, _mm256_setzero_ps());
+    _mm256_storeu_ps(x + i, v);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float m = *std::max_element(lanes, lanes + 8);
+  return std::max(m, Sanitize(nonneg, c - i, x + i));
+}
+#endif
+
+// Stores the c sanitized values of x, whose largest magnitude is amax, as block `blk` of
+// buffer b (the rest of the block is padding, stored as 0), as _quant.encode_blocks does.
+void StoreCodes(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x, float amax) {
+  uint8_t* code = b.codes + blk * block;
+  const float scale = std::max(amax, kScaleFloor);
+  std::fill(x + c, x + block, 0.0f);
+#ifdef ADAMKIT_AVX2
+  if (HasAvx2() && b.search->fast() && block >= 8) {
+    b.search->CodesAvx2(x, 1.0f / scale, block, code);
+    b.scales[blk] = scale;
+    return;
+  }
+#endif
+  const float inv = 1.0f / scale;
+  for (int64_t i = 0; i < block; ++i) code[i] = b.search->Code(x[i] * inv);
+  b.scales[blk] = scale;
+}
+
+// Encodes the c values of x into block `blk` of buffer b.
+void EncodeBlock(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
+#ifdef ADAMKIT_AVX2
+  if (HasAvx2()) return StoreCodes(b, block, blk, c, x, SanitizeAvx2(b.nonneg, c, x));
+#endif
+  StoreCodes(b, block, blk, c, x, Sanitize(b.nonneg, c, x));
+}
+
+void Decode(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
+#ifdef ADAMKIT_AVX2
+  if (HasAvx2()) return DecodeAvx2(b.codes + blk * block, b.book, b.scales[blk], c, x);
+#endif
+  DecodeBlock(b, block, blk, c, x);
+}
+
+// The step on blocks [lo, hi) of the concatenated leaves (each leaf starts a block): the
+// block's quantized moments decoded into scratch, the float32 step's loop `fn`, encoded.
+void RunBlocks(ChunkFn fn, const std::vector<QLeaf>& leaves, const QBuffer* bufs,
+               int64_t nstate, int64_t block, const float* s, int64_t lo, int64_t hi) {
+  std::vector<float> scratch(static_cast<size_t>(nstate * block));
+  int64_t base = 0;
+  for (const QLeaf& l : leaves) {
+    const int64_t nb = (l.n + block - 1) / block;
+    for (int64_t j = std::max(lo, base) - base; j < std::min(hi, base + nb) - base; ++j) {
+      const int64_t e0 = j * block, c = std::min(block, l.n - e0);
+      float* x[kMaxStateBuffers] = {nullptr, nullptr, nullptr};
+      for (int64_t k = 0; k < nstate; ++k) {
+        if (bufs[k].quantized) {
+          x[k] = scratch.data() + k * block;
+          Decode(bufs[k], block, l.at[k] + j, c, x[k]);
+        } else {
+          x[k] = bufs[k].f + l.at[k] + e0;
+        }
+      }
+      fn(l.p + e0, x[0], x[1], x[2], l.g + e0, s, 0, c);
+      for (int64_t k = 0; k < nstate; ++k) {
+        if (bufs[k].quantized) EncodeBlock(bufs[k], block, l.at[k] + j, c, x[k]);
+      }
+    }
+    base += nb;
+    if (base >= hi) break;
+  }
+}
+
+// Arguments: scalars (f32[9], as the float32 step), L params and L gradients (float32),
+// then per state buffer k (first moment, second moment, AMSGrad's running maximum):
+// float32 moments, or when quantized[k], its codes (u8, `block` per scale), scales
+// (f32), code book (f32[256], sorted) and midpoints (f32[255]). The leaves lie back to
+// back in each buffer from offsets[k]: elements of a float32 buffer, blocks of a
+// quantized one, where each leaf starts a block (the last block of a leaf is padded).
+// Results: the L params, then per buffer its moments or its codes and scales (aliased
+// to the inputs when donated). Every buffer is checked against its own size.
+ffi::Error StepQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
+                         ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t kind,
+                         bool nesterov, int64_t decay, bool amsgrad, int64_t state,
+                         ffi::Span<const int64_t> quantized, ffi::Span<const int64_t> offsets,
+                         int64_t block) {
+  auto bad = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("adamkit quantized step: ") + what);
+  };
+  if (scalars.element_count() != 9) return bad("expected 9 scalars");
+  if (!ValidVariant(kind, nesterov, decay, amsgrad, state)) return bad("unknown variant or state count");
+  const int64_t nstate = state;
+  if (static_cast<int64_t>(quantized.size()) != nstate ||
+      static_cast<int64_t>(offsets.size()) != nstate) {
+    return bad("expected one `quantized` flag and one offset per state buffer");
+  }
+  if (block < 1 || block > kMaxBlock || (block & (block - 1)) != 0) {
+    return bad("the block size must be a power of two <= 2^20");
+  }
+  int64_t state_args = 0, state_rets = 0;
+  for (int64_t k = 0; k < nstate; ++k) {
+    if (offsets[k] < 0) return bad("negative offset");
+    state_args += quantized[k] ? 4 : 1;
+    state_rets += quantized[k] ? 2 : 1;
+  }
+  const int64_t nargs = static_cast<int64_t>(args.size());
+  if (nargs < 2 + state_args || (nargs - state_args) % 2 != 0 ||
+      static_cast<int64_t>(rets.size()) != (nargs - state_args) / 2 + state_rets) {
+    return bad("expected 2L+S' arguments and L+S'' results");
+  }
+  const int64_t num = (nargs - state_args) / 2;
+
+  QBuffer bufs[kMaxStateBuffers];
+  int64_t units[kMaxStateBuffers] = {0, 0, 0};  // elements (float32) or blocks (quantized)
+  for (int64_t k = 0, a = 2 * num, r = num; k < nstate; ++k) {
+    QBuffer& b = bufs[k];
+    b.quantized = quantized[k] != 0;
+    b.nonneg = k > 0;
+    if (!b.quantized) {
+      auto in = args.get<ffi::Buffer<ffi::F32>>(a++);
+      auto out = rets.get<ffi::Buffer<ffi::F32>>(r++);
+      if (in.has_error()) return in.error();
+      if (out.has_error()) return out.error();
+      units[k] = static_cast<int64_t>(in->element_count());
+      if (static_cast<int64_t>((*out)->element_count()) != units[k]) {
+        return bad("a moment result differs from its input");
+      }
+      b.f = (*out)->typed_data();
+      if (b.f != in->typed_data()) std::copy_n(in->typed_data(), units[k], b.f);
+      continue;
+    }
+    auto codes = args.get<ffi::Buffer<ffi::U8>>(a++);
+    auto scales = args.get<ffi::Buffer<ffi::F32>>(a++);
+    auto book = args.get<ffi::Buffer<ffi::F32>>(a++);
+    auto mid = args.get<ffi::Buffer<ffi::F32>>(a++);
+    auto codes_out = rets.get<ffi::Buffer<ffi::U8>>(r++);
+    auto scales_out = rets.get<ffi::Buffer<ffi::F32>>(r++);
+    if (codes.has_error()) return codes.error();
+    if (scales.has_error()) return scales.error();
+    if (book.has_error()) return book.error();
+    if (mid.has_error()) return mid.error();
+    if (codes_out.has_error()) return codes_out.error();
+    if (scales_out.has_error()) return scales_out.error();
+    units[k] = static_cast<int64_t>(scales->element_count());
+    const int64_t ncodes = static_cast<int64_t>(codes->element_count());
+    if (ncodes != units[k] * block || static_cast<int64_t>((*codes_out)->element_count()) != ncodes ||
+        static_cast<int64_t>((*scales_out)->element_count()) != units[k]) {
+      return bad("codes must be `block` per scale, results as the inputs");
+    }
+    if (book->element_count() != kBook || mid->element_count() != kBook - 1) {
+      return bad("a code book is 256 values and 255 midpoints");
+    }
+    b.book = book->typed_data();
+    for (int64_t i = 0; i < kBook; ++i) {
+      if (!std::isfinite(b.book[i])) return bad("a code book value is not finite");
+    }
+    b.search = SearchFor(mid->typed_data());
+    if (b.search == nullptr) return bad("the midpoints must be finite and sorted");
+    b.codes = (*codes_out)->typed_data();
+    b.scales = (*scales_out)->typed_data();
+    if (b.codes != codes->typed_data()) std::copy_n(codes->typed_data(), ncodes, b.codes);
+    if (b.scales != scales->typed_data()) std::copy_n(scales->typed_data(), units[k], b.scales);
+  }
+
+  std::vector<QLeaf> leaves(num);
+  int64_t used[kMaxStateBuffers] = {0, 0, 0};  // per buffer, in its units
+  int64_t blocks = 0;
+  for (int64_t i = 0; i < num; ++i) {
+    auto p = args.get<ffi::Buffer<ffi::F32>>(i);
+    auto g = args.get<ffi::Buffer<ffi::F32>>(num + i);
+    auto p_out = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (p.has_error()) return p.error();
+    if (g.has_error()) return g.error();
+    if (p_out.has_error()) return p_out.error();
+    const int64_t n = static_cast<int64_t>(p->element_count());
+    if (static_cast<int64_t>(g->element_count()) != n ||
+        static_cast<int64_t>((*p_out)->element_count()) != n) {
+      return bad("a gradient differs from its param");
+    }
+    const int64_t nb = (n + block - 1) / block;
+    QLeaf& l = leaves[i];
+    for (int64_t k = 0; k < nstate; ++k) {
+      const int64_t need = bufs[k].quantized ? nb : n;
+      if (offsets[k] + used[k] + need > units[k]) {
+        return bad("a moment buffer is smaller than its params");
+      }
+      l.at[k] = offsets[k] + used[k];
+      used[k] += need;
+    }
+    l.p = (*p_out)->typed_data();
+    if (l.p != p->typed_data()) std::copy_n(p->typed_data(), n, l.p);
+    l.g = g->typed_data();
+    l.n = n;
+    blocks += nb;
+  }
+  ChunkFn fn = Pick(kind, nesterov, decay, amsgrad);
+  const float* s = scalars.typed_data();
+
+  constexpr int64_t kMinPerChunk = 1 << 16;  // elements, as the float32 step
+  const int64_t total = blocks * block;
+  if (total < 2 * kMinPerChunk) {
+    RunBlocks(fn, leaves, bufs, nstate, block, s, 0, blocks);
+    return ffi::Error::Success();
+  }
+  const int64_t per = std::max<int64_t>(kMinPerChunk, total / (4 * Threads(pool)));
+  ParallelFor(pool, blocks, (per + block - 1) / block,
+              [&leaves, &bufs, fn, s, nstate, block](int64_t lo, int64_t hi) {
+                RunBlocks(fn, leaves, bufs, nstate, block, s, lo, hi);
+              });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStep, Step,
@@ -567,3 +1017,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuRowAdd, RowAdd,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStepQuantized, StepQuantized,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("decay")
+                                  .Attr<bool>("amsgrad")
+                                  .Attr<int64_t>("state")
+                                  .Attr<ffi::Span<const int64_t>>("quantized")
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<int64_t>("block"));

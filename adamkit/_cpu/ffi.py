@@ -9,7 +9,8 @@ A kernel variant is a :class:`Variant` (static: it becomes the call's attributes
 nine float32 :func:`scalars`; the optimizer state is a tuple of buffers
 (:func:`state_buffers` of them: first and second moment, and AMSGrad's running maximum of
 the second moment). Bias correction off (MindSpore ``AdamWeightDecay``) is ``bc1 = bc2 =
-1`` in the scalars, not a variant.
+1`` in the scalars, not a variant. In :func:`dense_step_quantized` a state buffer may be
+:class:`Codes`: 8-bit codes and per-block scales, with the format's code book.
 """
 
 from __future__ import annotations
@@ -105,6 +106,81 @@ def dense_step(variant: Variant, s: jax.Array, params: Sequence[jax.Array],
                           vmap_method="sequential")
   out = call(s, *params, *grads, *state, offset=np.int64(offset), **_attrs(variant, decay, state))
   return list(out[:n]), tuple(out[n:])
+
+
+class Codes(NamedTuple):
+  """A state buffer stored in 8-bit codes: ``codes`` (uint8, ``block`` per scale, any
+  shape), ``scales`` (float32, one per block), and the format's sorted ``book`` (256
+  float32 values, ``value = book[code] * scale``) and its ``midpoints`` (255)."""
+  codes: jax.Array
+  scales: jax.Array
+  book: np.ndarray
+  midpoints: np.ndarray
+
+
+def _check_codes(name: str, c: Codes, blocks: int, offset: int, block: int) -> None:
+  _need(c.codes.dtype == jnp.uint8, f"the {name}'s codes must be uint8, got {c.codes.dtype}")
+  _f32(f"the {name}'s scales", c.scales)
+  _need(c.codes.size == c.scales.size * block, f"the {name} has {c.codes.size} codes for "
+        f"{c.scales.size} scales of blocks of {block}")
+  _need(np.shape(c.book) == (256,) and np.shape(c.midpoints) == (255,),
+        f"the {name}'s code book must be 256 values and 255 midpoints")
+  _need(offset + blocks <= c.scales.size, f"the {name} ({c.scales.size} blocks) is smaller "
+        f"than the {blocks} blocks it must hold from block {offset}")
+
+
+def dense_step_quantized(variant: Variant, s: jax.Array, params: Sequence[jax.Array],
+                         grads: Sequence[jax.Array], state: tuple, *, offsets: Sequence[int],
+                         block: int, decay: bool = False) -> tuple[list[jax.Array], tuple]:
+  """One call of the dense step whose state buffers are float32 arrays or :class:`Codes`
+  in blocks of ``block`` elements. The leaves lie back to back in each buffer from
+  ``offsets[k]``: elements of a float32 buffer, blocks of a :class:`Codes` one (a leaf
+  starts a block; its last block is padded). Returns the new params and state (the
+  :class:`Codes` with new codes and scales), aliased to the inputs."""
+  n = len(params)
+  _need(n == len(grads) and n > 0, "one gradient per param, at least one")
+  for p, g in zip(params, grads):
+    _f32("a param", p)
+    _f32("a gradient", g)
+    _need(p.shape == g.shape, f"gradient of shape {g.shape} for a param of shape {p.shape}")
+  nstate = state_buffers(variant)
+  _need(len(state) == nstate and len(offsets) == nstate,
+        f"expected {nstate} state buffers and offsets, got {len(state)} and {len(offsets)}")
+  _need(block >= 1 and block & (block - 1) == 0, f"block size {block} is not a power of two")
+  size = sum(p.size for p in params)
+  blocks = sum(-(-p.size // block) for p in params)
+  operands, outs, aliases = [s, *params, *grads], [], {1 + i: i for i in range(n)}
+  for name, buf, at in zip(STATE_NAMES, state, offsets):
+    _need(at >= 0, f"negative offset {at}")
+    if isinstance(buf, Codes):
+      _check_codes(name, buf, blocks, at, block)
+      parts = [buf.codes, buf.scales]
+      extra = [jnp.asarray(buf.book, jnp.float32), jnp.asarray(buf.midpoints, jnp.float32)]
+    else:
+      _f32(name, buf)
+      _need(at + size <= buf.size, f"the {name} ({buf.size} elements) is smaller than the "
+            f"{size} elements it must hold from offset {at}")
+      parts, extra = [buf], []
+    for x in parts:
+      aliases[len(operands)] = n + len(outs)
+      operands.append(x)
+      outs.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    operands += extra
+  call = jax.ffi.ffi_call("adamkit_cpu_step_quantized",
+                          [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in params] + outs,
+                          input_output_aliases=aliases, vmap_method="sequential")
+  attrs = _attrs(variant, decay, state)
+  out = call(*operands, quantized=np.array([isinstance(b, Codes) for b in state], np.int64),
+             offsets=np.array(offsets, np.int64), block=np.int64(block), **attrs)
+  new_state, at = [], n
+  for buf in state:
+    if isinstance(buf, Codes):
+      new_state.append(buf._replace(codes=out[at], scales=out[at + 1]))
+      at += 2
+    else:
+      new_state.append(out[at])
+      at += 1
+  return list(out[:n]), tuple(new_state)
 
 
 def kernel_ids(ids: jax.Array) -> jax.Array:

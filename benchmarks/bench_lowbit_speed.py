@@ -1,0 +1,171 @@
+"""Low-bit optimizer states, section "speed": one AdamW step on 16M parameters, on CPU.
+
+One float32 leaf of 4096 x 4096, AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay
+0.01 on every parameter), gradients fixed. Rows, interleaved (see common.py) and reported
+as medians:
+
+* ``ak.fused_adamw`` with 8-bit moments on its C++ kernel (dequantize, update, requantize
+  in one pass per block of 256: read p, g and the 1-byte codes, write p and the codes, 16
+  bytes per parameter) and in float32 (28 bytes);
+* ``torch.optim.AdamW(fused=True)`` in float32, the reference of the ratios, and
+  ``(foreach=True)``;
+* ``optax.adamw`` in float32 and the chain form ``ak.adamw(mu_dtype="8bit",
+  nu_dtype="8bit")`` (skipped, with a note, where this adamkit's chain does not take a
+  quantized format yet);
+* torchao ``AdamW8bit`` and bitsandbytes ``AdamW8bit``, on CPU (the ``bench`` extra).
+
+Every JAX step is jitted with params and state donated, ``block_until_ready`` inside the
+timing. The machine is shared: the absolute times move with its load, the interleaved
+ratios much less; run with enough repeats.
+
+  python benchmarks/bench_lowbit_speed.py              # 15 rounds
+  python benchmarks/bench_lowbit_speed.py --reps 30 --no-anchors   # without torchao / bnb
+  python benchmarks/bench_lowbit_speed.py --xla        # adds the fused 8-bit step on XLA
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import warnings
+
+# torch's OpenMP workers otherwise spin after each step and steal the two cores from the
+# next contender's threads (see bench_dense.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+
+import adamkit as ak  # noqa: E402
+
+try:
+  import torch  # noqa: E402
+except ImportError:  # optional: the `bench` extra
+  torch = None
+
+LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
+SHAPE = (4096, 4096)
+REFERENCE = "torch AdamW fused f32"
+
+
+def jax_runner(step, params, state, grads):
+  fn = jax.jit(step, donate_argnums=(0, 1))
+  return common.stateful_runner(fn, (jax.tree.map(jnp.copy, params), state), (grads,))
+
+
+def fused_runner(opt, params, grads):
+  p = jax.tree.map(jnp.copy, params)
+  return jax_runner(lambda p, s, g: opt.step(p, s, grads=g), p, opt.init(p), grads)
+
+
+def optax_runner(tx, params, grads):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  p = jax.tree.map(jnp.copy, params)
+  return jax_runner(step, p, tx.init(p), grads)
+
+
+def torch_runner(make_opt):
+  gen = torch.Generator().manual_seed(0)
+  p = torch.nn.Parameter(torch.randn(SHAPE, generator=gen))
+  p.grad = 0.1 * torch.randn(SHAPE, generator=gen)
+  opt = make_opt([p])
+
+  def run():
+    t = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - t
+  return run
+
+
+def anchors() -> dict:
+  """torchao's and bitsandbytes' AdamW8bit where they import (the `bench` extra)."""
+  makers = {}
+  try:
+    from torchao.optim import AdamW8bit as AoAdamW8bit  # noqa: PLC0415
+    makers["torchao AdamW8bit"] = lambda ps: AoAdamW8bit(ps, lr=LR, betas=(B1, B2), eps=EPS,
+                                                         weight_decay=WD)
+  except ImportError as e:
+    print(f"(torchao row skipped: {e})")
+  try:
+    import bitsandbytes as bnb  # noqa: PLC0415
+    makers["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(
+        ps, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+  except ImportError as e:
+    print(f"(bitsandbytes row skipped: {e})")
+  return makers
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--reps", type=int, default=15)
+  ap.add_argument("--no-anchors", action="store_true", help="skip torchao and bitsandbytes")
+  ap.add_argument("--xla", action="store_true", help="add the fused 8-bit step on XLA")
+  args = ap.parse_args()
+  if not ak.cpu_kernel_available():
+    ak.build_cpu_kernel()
+
+  key = jax.random.key(0)
+  params = {"w": jax.random.normal(key, SHAPE, jnp.float32)}
+  grads = {"w": 0.1 * jax.random.normal(jax.random.fold_in(key, 1), SHAPE, jnp.float32)}
+  fused = lambda **kw: ak.fused_adamw(LR, B1, B2, EPS, weight_decay=WD, weight_decay_mask=None,
+                                      **kw)
+  runners = {
+      "ak.fused_adamw 8bit (kernel)": fused_runner(
+          fused(mu_dtype="8bit", nu_dtype="8bit", backend="kernel"), params, grads),
+      "ak.fused_adamw f32 (kernel)": fused_runner(fused(backend="kernel"), params, grads),
+      "optax.adamw f32": optax_runner(optax.adamw(LR, B1, B2, EPS, weight_decay=WD), params, grads),
+  }
+  if args.xla:
+    runners["ak.fused_adamw 8bit (pure JAX)"] = fused_runner(
+        fused(mu_dtype="8bit", nu_dtype="8bit", backend="xla"), params, grads)
+  notes = []
+  try:
+    chain = ak.adamw(LR, B1, B2, EPS, weight_decay=WD, weight_decay_mask=None,
+                     mu_dtype="8bit", nu_dtype="8bit")
+    runners['ak.adamw(mu_dtype="8bit", nu_dtype="8bit") chain'] = optax_runner(chain, params, grads)
+  except (TypeError, ValueError) as e:  # a chain form without quantized moments yet
+    notes.append(f"chain form skipped: {e}")
+  if torch is not None:
+    runners[REFERENCE] = torch_runner(lambda ps: torch.optim.AdamW(
+        ps, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=True))
+    runners["torch AdamW foreach f32"] = torch_runner(lambda ps: torch.optim.AdamW(
+        ps, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, foreach=True))
+    if not args.no_anchors:
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, make in anchors().items():
+          runners[name] = torch_runner(make)
+  else:
+    notes.append("torch not installed: its rows and the anchors skipped")
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    times = common.interleave(runners, args.reps, warmup=3)
+  del runners
+  gc.collect()
+  med = {k: common.median_ms(v) for k, v in times.items()}
+  ref = med.get(REFERENCE)
+  base = med["optax.adamw f32"]
+  rows = [[name, ms, ms / ref if ref else "-", ms / base] for name, ms in med.items()]
+  print(common.table(f"AdamW step, {SHAPE[0]}x{SHAPE[1]} = 16.8M float32 parameters, "
+                     f"median of {args.reps} interleaved rounds",
+                     ["contender", "ms", f"x {REFERENCE}", "x optax.adamw f32"], rows))
+  for note in notes:
+    print(f"\n({note})")
+  path = common.write_json("bench_lowbit_speed", {
+      "shape": SHAPE, "reps": args.reps, "median_ms": med, "samples_s": times, "notes": notes,
+      "load_average": os.getloadavg()})
+  print(f"\nwritten: {path}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,352 @@
+"""The fused steps with quantized moments (``mu_dtype`` / ``nu_dtype`` = ``ak.Quantized``).
+
+References: the 8-bit format's encoder (``_quant.encode_blocks`` under jit) for the kernel's
+codes and scales, bit for bit, ties and midpoints included; a float32 NumPy replica of the
+quantized step (its own nearest-code search, ``np.searchsorted``) for the kernel's whole
+trajectory, bit for bit; torchao's ``AdamW8bit`` trajectory (the golden file) for the
+format and the step; and the XLA path against the kernel.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GOLDEN
+
+import adamkit as ak
+from adamkit import _adam, _quant
+from adamkit._cpu import ffi
+
+Q8 = ak.Quantized("8bit", min_size=0)
+F32 = np.float32
+
+
+def shapes_params(seed=0):
+  rng = np.random.default_rng(seed)
+  shapes = {"a": (64, 512), "b": (300,), "c": (3, 1000), "d": (7,)}
+  return {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+
+
+def grads_for(params, steps, seed=1):
+  rng = np.random.default_rng(seed)
+  return [{k: jnp.asarray(rng.standard_normal(p.shape) * 10.0 ** rng.uniform(-4, 1), jnp.float32)
+           for k, p in params.items()} for _ in range(steps)]
+
+
+# ------------------------------------------------------------ the kernel's codes
+
+
+def _direct_codes(g, block, amsgrad=False):
+  """The kernel on ``g`` with b1 = b2 = 0, so that its new moments are exactly ``g`` and
+  ``g * g``: returns the stored (codes, scales) of each state buffer."""
+  n = g.size
+  variant = ffi.Variant("corrected", amsgrad=amsgrad)
+  s = ffi.scalars("corrected", b1=0.0, b2=0.0, eps=1e-8, lr=0.1, wd=0.0, bc1=1.0, bc2=1.0)
+  roles = ("mu", "nu", "nu")[:3 if amsgrad else 2]
+  state = []
+  for role in roles:
+    z = _quant.zeros((n,), _quant.Format("8bit", role, block))
+    state.append(ffi.Codes(z.codes, z.scales, _quant.code_book("8bit", role),
+                           _quant._midpoints("8bit", role)))
+  _, out = jax.jit(functools.partial(ffi.dense_step_quantized, variant, offsets=[0] * len(roles),
+                                     block=block))(s, [jnp.zeros_like(g)], [g], tuple(state))
+  return [(np.asarray(c.codes).reshape(-1, block), np.asarray(c.scales)) for c in out]
+
+
+def _hard_values(block, seed=0):
+  """Blocks of every magnitude, plus ties: exact midpoints (scale 1), the floats just
+  below them, zeros, signed zeros, NaN and Inf, a block of tiny values."""
+  rng = np.random.default_rng(seed)
+  x = (rng.standard_normal((40, block)) * 10.0 ** rng.uniform(-30, 30, (40, 1))).astype(F32)
+  rows = []
+  for role in ("mu", "nu"):
+    mid = _quant._midpoints("8bit", role)
+    for tie in (mid, np.nextafter(mid, F32(-np.inf)), np.nextafter(mid, F32(np.inf))):
+      row = np.resize(tie, block).astype(F32)
+      row[rng.integers(block)] = 1.0  # the block's scale is 1: r is the value itself
+      rows.append(row)
+  special = np.zeros(block, F32)
+  special[: min(block, 6)] = [np.nan, np.inf, -np.inf, -0.0, 1e-40, -3.0][: min(block, 6)]
+  rows += [special, np.zeros(block, F32), np.full(block, 1e-38, F32)]
+  return np.concatenate([x, np.stack(rows)]).reshape(-1)
+
+
+@pytest.mark.parametrize("block", [256, 64, 8, 2])
+def test_kernel_codes_are_the_formats_bit_for_bit(kernel, block):
+  g = _hard_values(block)
+  got = _direct_codes(jnp.asarray(g), block, amsgrad=True)
+  with np.errstate(over="ignore"):  # g * g overflows to inf: stored as 0
+    squares = g * g
+  for (codes, scales), x, role in zip(got, (g, squares, squares), ("mu", "nu", "nu")):
+    fmt = _quant.Format("8bit", role, block)
+    want = jax.jit(lambda x, fmt=fmt: _quant.encode_blocks(x.reshape(-1, block), fmt))(x)
+    np.testing.assert_array_equal(codes, np.asarray(want[0]))
+    np.testing.assert_array_equal(scales, np.asarray(want[1]))
+    if block >= 64:
+      assert len(np.unique(codes)) > 100  # not a degenerate block
+
+
+def test_kernel_codes_in_multi_leaf_calls_with_partial_blocks(kernel):
+  """Leaves of 1, 255, 257 and 1000 elements back to back: each starts a block, its last
+  block is padded with zeros (codes of 0), the codes are the format's leaf by leaf."""
+  rng = np.random.default_rng(3)
+  sizes = [1, 255, 257, 1000]
+  gs = [jnp.asarray(rng.standard_normal(n) * 10.0 ** rng.uniform(-5, 2), jnp.float32) for n in sizes]
+  fmts = [_quant.Format("8bit", r, 256) for r in ("mu", "nu")]
+  blocks = sum(-(-n // 256) for n in sizes)
+  state = []
+  for fmt in fmts:
+    z = _quant.zeros((blocks * 256 + 512,), fmt)  # two spare blocks, left untouched
+    state.append(ffi.Codes(z.codes.at[-1].set(7), z.scales.at[-1].set(3.0),
+                           _quant.code_book("8bit", fmt.role), _quant._midpoints("8bit", fmt.role)))
+  s = ffi.scalars("hat", b1=0.0, b2=0.0, eps=1e-8, lr=0.1, wd=0.0, bc1=1.0, bc2=1.0)
+  _, out = jax.jit(functools.partial(ffi.dense_step_quantized, ffi.Variant("hat"),
+                                     offsets=[1, 1], block=256))(s, [jnp.zeros_like(g) for g in gs],
+                                                                 gs, tuple(state))
+  for c, fmt, square in zip(out, fmts, (False, True)):
+    codes, scales = np.asarray(c.codes), np.asarray(c.scales)
+    at = 1
+    for g in gs:
+      x = g * g if square else g
+      want = jax.jit(lambda x, fmt=fmt: _quant.quantize(x, fmt))(x)
+      nb = -(-g.size // 256)
+      np.testing.assert_array_equal(codes[at:at + nb].reshape(-1), np.asarray(want.codes).reshape(-1))
+      np.testing.assert_array_equal(scales[at:at + nb], np.asarray(want.scales))
+      at += nb
+    assert codes[-1, 0] == 7 and scales[-1] == 3.0 and scales[0] == F32(1e-12)
+
+
+# ------------------------------------------------- the trajectory, against NumPy
+
+
+class NumpyQuantizedAdamW:
+  """AdamW ("corrected" eps) with 8-bit moments in float32 NumPy, operation by operation
+  as the kernel computes it, with its own nearest-code search. The step's scalars (bias
+  corrections and their reciprocals) are the kernel's, so the comparison is bit for bit."""
+
+  def __init__(self, lr, wd, b1, b2, eps, amsgrad, mu_q, nu_q, block=256):
+    self.lr, self.wd, self.b1, self.b2, self.eps = map(F32, (lr, wd, b1, b2, eps))
+    self.amsgrad, self.q, self.block = amsgrad, {"mu": mu_q, "nu": nu_q}, block
+    self.state = {}
+
+  def encode(self, x, role):
+    n = x.size
+    xb = np.zeros(-(-n // self.block) * self.block, F32)
+    xb[:n] = x.ravel()
+    xb = xb.reshape(-1, self.block)
+    xb = np.where(np.isfinite(xb), xb, F32(0))
+    if role == "nu":
+      xb = np.maximum(xb, F32(0))
+    scale = np.maximum(np.abs(xb).max(axis=1), F32(1e-12))
+    r = xb * (F32(1) / scale)[:, None]
+    return np.searchsorted(_quant._midpoints("8bit", role), r, side="right"), scale
+
+  def decode(self, stored, role, shape):
+    codes, scale = stored
+    x = _quant.code_book("8bit", role)[codes] * scale[:, None]
+    return x.reshape(-1)[:int(np.prod(shape))].reshape(shape)
+
+  def load(self, name, k, role, shape):
+    stored = self.state.get((name, k))
+    if stored is None:
+      return np.zeros(shape, F32)
+    return self.decode(stored, role, shape) if self.q[role] else stored
+
+  def step(self, params, grads, c1, c2):
+    out = {}
+    for name, p in params.items():
+      g = grads[name]
+      m = self.load(name, 0, "mu", p.shape)
+      v = self.load(name, 1, "nu", p.shape)
+      m = self.b1 * m + (F32(1) - self.b1) * g
+      v = self.b2 * v + (F32(1) - self.b2) * (g * g)
+      den = v
+      if self.amsgrad:
+        old = self.load(name, 2, "nu", p.shape)
+        den = np.where(np.isnan(v) | (v > old), v, old)
+      u = (m * c1) / (np.sqrt(den * c2) + self.eps)
+      u = u + self.wd * p
+      out[name] = p + (-self.lr * u)
+      for k, x, role in ((0, m, "mu"), (1, v, "nu"), (2, den, "nu"))[:3 if self.amsgrad else 2]:
+        self.state[(name, k)] = self.encode(x, role) if self.q[role] else x
+    return out
+
+
+@pytest.mark.parametrize("mu_dtype,nu_dtype,amsgrad", [
+    (Q8, Q8, False), (Q8, None, False), (None, Q8, True), (Q8, Q8, True)])
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_kernel_trajectory_is_the_numpy_replica_bit_for_bit(kernel, mu_dtype, nu_dtype, amsgrad,
+                                                            multi_tensor):
+  params = shapes_params()
+  lr, wd, b1, b2, eps, steps = 0.01, 0.05, 0.9, 0.99, 1e-8, 6
+  opt = ak.fused_adamw(lr, b1, b2, eps, weight_decay=wd, weight_decay_mask=None,
+                       amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                       multi_tensor=multi_tensor, backend="kernel")
+  ref = NumpyQuantizedAdamW(lr, wd, b1, b2, eps, amsgrad, mu_dtype is not None,
+                            nu_dtype is not None)
+  step = jax.jit(opt.step, donate_argnums=(0, 1))
+  state = opt.init(jax.tree.map(jnp.copy, params))
+  p, np_p = jax.tree.map(jnp.copy, params), {k: np.asarray(v) for k, v in params.items()}
+  for t, g in enumerate(grads_for(params, steps)):
+    bc1, bc2 = _adam.bias_corrections(b1, b2, jnp.asarray(t + 1, jnp.int32))
+    scal = np.asarray(ffi.scalars("corrected", b1=b1, b2=b2, eps=eps, lr=lr, wd=wd, bc1=bc1,
+                                  bc2=bc2))
+    p, state = step(p, state, grads=g)
+    np_p = ref.step(np_p, {k: np.asarray(v) for k, v in g.items()}, scal[7], scal[8])
+    for k in params:
+      np.testing.assert_array_equal(np.asarray(p[k]), np_p[k], err_msg=f"{k} step {t + 1}")
+  assert float(jnp.max(jnp.abs(p["a"] - params["a"]))) > 3 * lr  # it moved
+
+
+# --------------------------------------------------- the state, both backends
+
+
+CASES = [
+    (ak.fused_adamw, dict(weight_decay=0.05, weight_decay_mask=None)),
+    (ak.fused_adam, dict(weight_decay=0.01, nesterov=True, eps_mode="hat")),
+    (ak.fused_adam, dict(amsgrad=True, b2=0.9)),
+    (ak.fused_adamax, dict(weight_decay=0.01)),
+]
+
+
+@pytest.mark.parametrize("make,kw", CASES)
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_kernel_and_xla_agree(kernel, make, kw, multi_tensor):
+  """The two backends form the new moments in another order (XLA may fuse a multiply and
+  an add), so a code can flip at a boundary; the params stay within a small fraction of
+  the learning rate and almost every code agrees."""
+  params, lr = shapes_params(), 0.01
+  runs = {}
+  for backend in ("xla", "kernel"):
+    opt = make(lr, mu_dtype=Q8, nu_dtype=Q8, multi_tensor=multi_tensor, backend=backend, **kw)
+    p, state = params, opt.init(params)
+    step = jax.jit(opt.step)
+    for g in grads_for(params, 5):
+      p, state = step(p, state, grads=g)
+    runs[backend] = p, state
+  (px, sx), (pk, sk) = runs["xla"], runs["kernel"]
+  assert jax.tree.structure(sx) == jax.tree.structure(sk)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(pk[k]), np.asarray(px[k]), atol=0.05 * lr, rtol=0)
+  for a, b in zip(jax.tree.leaves(sx), jax.tree.leaves(sk)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype == jnp.uint8:
+      assert np.mean(np.asarray(a) != np.asarray(b)) < 2e-3
+
+
+@pytest.mark.parametrize("kind", ["4bit", "fp8"])
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_other_formats_run_on_xla(kernel, kind, multi_tensor):
+  """4-bit and fp8 moments take the XLA path whatever the backend ("auto" and "kernel"
+  alike) and stay close to the float32 step."""
+  params, lr = shapes_params(), 0.01
+  q = ak.Quantized(kind, min_size=0)
+  ends = {}
+  for name, kw in (("q", dict(mu_dtype=q, nu_dtype=q, backend="kernel")), ("f32", {})):
+    opt = ak.fused_adamw(lr, multi_tensor=multi_tensor, **kw)
+    p, state = params, opt.init(params)
+    for g in grads_for(params, 4):
+      p, state = jax.jit(opt.step)(p, state, grads=g)
+    ends[name] = p, state
+  codes = [x for x in jax.tree.leaves(ends["q"][1]) if x.dtype == jnp.uint8]
+  assert codes and all(np.asarray(c).any() for c in codes)
+  # Adam moves an element at most lr (1 - b1) / sqrt(1 - b2) (about 3.2 lr) a step; the
+  # 4-bit first moment's dithered levels let a rare element use that room, so the bound is
+  # on the worst element, and the typical one stays close to float32.
+  for k in params:
+    diff = np.abs(np.asarray(ends["q"][0][k]) - np.asarray(ends["f32"][0][k]))
+    assert diff.max() <= 2 * 4 * 3.2 * lr, (k, diff.max())
+    assert diff.mean() <= 0.25 * lr * 4, (k, diff.mean())
+
+
+def test_torchao_adamw8bit_replay(kernel):
+  """The fused 8-bit step on the kernel replays torchao's AdamW8bit within 0.1 x lr at
+  every step (the golden README: a wrong map or per-tensor scales land 0.45 x lr away)."""
+  d = np.load(GOLDEN / "ao_adamw8bit_public.npz")
+  lr = float(d["lr"])
+  opt = ak.fused_adamw(lr, float(d["b1"]), float(d["b2"]), float(d["eps"]),
+                       weight_decay=float(d["weight_decay"]), weight_decay_mask=None,
+                       mu_dtype="8bit", nu_dtype="8bit", backend="kernel")
+  params = {k: jnp.asarray(d[f"init.{k}"]) for k in ("b", "w")}
+  state = opt.init(params)
+  assert state.mu["8bit"].shape == (64 * 256,) and state.mu["float32"].shape == (300,)
+  step = jax.jit(opt.step)
+  worst = 0.0
+  for t in range(int(d["steps"])):
+    params, state = step(params, state, grads={k: jnp.asarray(d[f"grads.{k}"][t]) for k in params})
+    for k in params:
+      worst = max(worst, float(np.max(np.abs(np.asarray(params[k]) - d[f"params.{k}"][t]))))
+  assert worst <= 0.1 * lr, worst / lr
+  dq = np.asarray(_quant.dequantize(state.mu["8bit"]))
+  np.testing.assert_allclose(dq.reshape(64, 256), d["exp_avg.w"], atol=0.02 * np.abs(d["exp_avg.w"]).max())
+
+
+def test_state_bytes_per_parameter():
+  """2 bytes of codes per parameter and a float32 scale per 256: 2.03 bytes, per leaf and
+  multi-tensor (the bound of the issue: 2.05)."""
+  params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  for mt in (True, False):
+    state = jax.eval_shape(ak.fused_adamw(mu_dtype="8bit", nu_dtype="8bit", multi_tensor=mt).init,
+                           params)
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert 2.0 < nbytes / 2**20 <= 2.05
+
+
+def test_min_size_keeps_small_leaves_float32():
+  params = {"big": jnp.zeros((64, 64)), "small": jnp.zeros(100)}
+  state = ak.fused_adam(mu_dtype="8bit", nu_dtype="8bit").init(params)
+  assert set(state.mu) == {"8bit", "float32"} and state.mu["float32"].shape == (100,)
+  per_leaf = ak.fused_adam(mu_dtype="8bit", multi_tensor=False).init(params)
+  assert _quant.is_qarray(per_leaf.mu["big"]) and per_leaf.mu["small"].dtype == jnp.float32
+  assert per_leaf.nu["big"].dtype == jnp.float32  # nu_dtype=None: the params' dtype
+
+
+# --------------------------------------------------------------------- errors
+
+
+def test_a_state_of_another_format_or_block_is_refused():
+  params = {"w": jnp.ones((8, 512))}
+  g = {"w": jnp.ones((8, 512))}
+  for mt in (True, False):
+    opt = ak.fused_adam(mu_dtype=Q8, nu_dtype=Q8, multi_tensor=mt)
+    for other in (ak.Quantized("8bit", block_size=128, min_size=0), ak.Quantized("4bit", min_size=0),
+                  None):
+      state = ak.fused_adam(mu_dtype=other, nu_dtype=Q8, multi_tensor=mt).init(params)
+      with pytest.raises(ValueError, match="mu"):
+        opt.step(params, state, grads=g)
+    # and a float state for a quantized optimizer's other way round
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="mu"):
+      ak.fused_adam(multi_tensor=mt).step(params, state, grads=g)
+
+
+def test_bad_formats_name_the_argument():
+  with pytest.raises((TypeError, ValueError), match="mu_dtype"):
+    ak.fused_adamw(mu_dtype="9bit")
+  with pytest.raises((TypeError, ValueError), match="nu_dtype"):
+    ak.fused_adamax(nu_dtype="int8")
+  with pytest.raises(ValueError, match="block_size"):
+    ak.fused_adam(mu_dtype=ak.Quantized("8bit", block_size=100))
+
+
+def test_lazy_row_sparse_leaf_with_quantized_moments_is_refused():
+  params = {"emb": jnp.zeros((100, 64))}
+  opt = ak.fused_adam(mu_dtype=Q8, nu_dtype=Q8)
+  g = {"emb": ak.RowSparse(jnp.array([1, 5]), jnp.ones((2, 64)), 100)}
+  with pytest.raises(NotImplementedError, match="lazy=False"):
+    opt.step(params, opt.init(params), grads=g)
+  dense = ak.fused_adam(mu_dtype=Q8, nu_dtype=Q8, lazy=False)
+  new, _ = dense.step(params, dense.init(params), grads=g)
+  assert float(jnp.abs(new["emb"][1]).min()) > 0 and float(jnp.abs(new["emb"][0]).max()) == 0
+
+
+def test_nonfinite_gradients_leave_no_nan_scale(kernel):
+  params = {"w": jnp.ones(4096)}
+  g = {"w": jnp.ones(4096).at[3].set(jnp.nan).at[700].set(jnp.inf)}
+  for backend in ("xla", "kernel"):
+    opt = ak.fused_adamw(mu_dtype="8bit", nu_dtype="8bit", amsgrad=True, backend=backend)
+    _, state = jax.jit(opt.step)(params, opt.init(params), grads=g)
+    for buf in (state.mu, state.nu, state.nu_max):
+      assert np.isfinite(np.asarray(buf["8bit"].scales)).all()
