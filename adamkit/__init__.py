@@ -59,6 +59,9 @@ from adamkit._offload import (
     offload_state,
 )
 from adamkit._precision import MasterWeightsState, inject_hyperparams, master_weights
+
+# Low-bit optimizer states: 8-bit, 4-bit and fp8 moments (mu_dtype / nu_dtype).
+from adamkit._quant import Quantized, QuantizedArray
 from adamkit._schedules import as_schedule
 
 # Sparse Adam for embedding tables.
@@ -99,4 +102,6 @@ __all__ = [
     "fused_adam", "fused_adamax", "FusedStep", "FusedAdamState", "FusedAdamaxState",
     "FlatMoments", "build_cpu_kernel", "cpu_kernel_available", "master_weights",
     "MasterWeightsState", "inject_hyperparams",
+    # low-bit states
+    "Quantized", "QuantizedArray",
 ]
