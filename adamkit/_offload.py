@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from adamkit import _adam, _compat, _masks, _validate
+from adamkit import _adam, _compat, _masks, _quant, _quant_ops, _validate
 from adamkit._fused import FlatMoments, FusedStep
 from adamkit._sparse_types import (
     RowSparse,
@@ -240,7 +240,7 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
   scalar = _replicated(entries[0][2], "device")
 
   def place(path, leaf):
-    path, shape = tuple(path), np.shape(leaf)
+    path, shape = tuple(path), tuple(np.shape(leaf))
     if _is_small(leaf):
       return scalar
     best = None
@@ -249,11 +249,14 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
       if p_shape == shape and path[len(path) - n:] == p_path and (
           best is None or n > best[0]):
         best = (n, s)
+    if _quant.is_qarray(leaf):  # codes and scales laid out by the param they stand for
+      where = best[1] if best else _replicated(entries[0][2], memory_kind)
+      return _quant_ops.shardings_like(leaf, where, memory_kind)
     if best is None:
       return _replicated(entries[0][2], memory_kind, len(shape))
     return best[1].with_memory_kind(memory_kind)
 
-  return jax.tree_util.tree_map_with_path(place, state)
+  return jax.tree_util.tree_map_with_path(place, state, is_leaf=_quant.is_qarray)
 
 
 def offload_state(state: Any, params: Any, *, shardings: Any = None,
@@ -651,7 +654,8 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  weight_decay_mask: Any = _masks.MINDSPORE_DEFAULT,
                  loss_scale: float = 1.0, grad_clip: Any = None,
                  grad_centralization: bool = False, groups: Any = None,
-                 mu_dtype: Any = None, nonfinite: str = "propagate", mode: str = "compute",
+                 mu_dtype: Any = None, nu_dtype: Any = None, nonfinite: str = "propagate",
+                 mode: str = "compute",
                  memory_kind: str = "pinned_host") -> optax.GradientTransformationExtraArgs:
   r"""MindSpore ``nn.AdamOffload``: :func:`adamkit.adam` with its state in host memory.
 
@@ -668,8 +672,10 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
   Args:
     learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``weight_decay``,
       ``weight_decay_mask``, ``loss_scale``, ``grad_clip``, ``grad_centralization``,
-      ``groups``, ``mu_dtype``, ``nonfinite``: as :func:`adamkit.adam` (MindSpore's
-      defaults: decay skips ``beta``/``gamma`` names).
+      ``groups``, ``mu_dtype``, ``nu_dtype``, ``nonfinite``: as :func:`adamkit.adam`
+      (MindSpore's defaults: decay skips ``beta``/``gamma`` names). A quantized
+      ``mu_dtype``/``nu_dtype`` (:class:`adamkit.Quantized`, e.g. ``"8bit"``) keeps codes
+      and scales in host memory: a quarter of the float32 state.
     mode: and ``memory_kind``: as :func:`adamkit.offload`.
 
   Returns:
@@ -694,5 +700,5 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
                   weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                   loss_scale=loss_scale, grad_clip=grad_clip,
                   grad_centralization=grad_centralization, groups=groups, mu_dtype=mu_dtype,
-                  nonfinite=nonfinite)
+                  nu_dtype=nu_dtype, nonfinite=nonfinite)
   return offload(tx, mode=mode, memory_kind=memory_kind)

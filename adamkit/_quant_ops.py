@@ -227,25 +227,34 @@ def zero_moments(params: Any, fmt: Any, role: str) -> Any:
 
 
 def placed_like(m: Any, p: Any) -> Any:
-  """A new quantized moment ``m`` placed as its param ``p`` (a concrete, committed array):
-  on its device, or over its mesh with the codes and scales split as the param's axes
-  when they keep the leaf's leading axes (else replicated), in ``p``'s memory kind."""
+  """A new quantized moment ``m`` placed as its param ``p`` is, where ``p`` is a concrete,
+  committed array (see :func:`shardings_like`)."""
   if not _quant.is_qarray(m) or is_tracer(p) or not isinstance(p, jax.Array) or not p.committed:
     return m
-  sharding = p.sharding
+  return jax.device_put(m, shardings_like(m, p.sharding))
+
+
+def shardings_like(m, sharding: jax.sharding.Sharding, memory_kind: str | None = None):
+  """The shardings of quantized moment ``m``'s codes and scales for a param placed with
+  ``sharding`` (a :class:`~adamkit._quant.QuantizedArray` of shardings, for
+  ``jax.device_put``): over a mesh, codes and scales split as the param's axes when they
+  keep its leading axes (else replicated); on one device, that device. ``memory_kind``:
+  the param's unless given."""
+  kind = memory_kind or sharding.memory_kind
   if isinstance(sharding, jax.sharding.NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (p.ndim - len(sharding.spec))
     if _lead_layout(m):
-      codes_spec, scales_spec = spec + (None,), spec
+      spec = tuple(sharding.spec) + (None,) * (len(m.shape) - len(sharding.spec))
+      specs = (spec + (None,), spec)
     else:
-      codes_spec, scales_spec = (None, None), (None,)
+      specs = ((None, None), (None,))
     named = lambda s: jax.sharding.NamedSharding(  # noqa: E731
-        sharding.mesh, jax.sharding.PartitionSpec(*s), memory_kind=sharding.memory_kind)
-    return jax.device_put(m, _quant.QuantizedArray(named(codes_spec), named(scales_spec),
-                                                   m.shape, m.fmt))
+        sharding.mesh, jax.sharding.PartitionSpec(*s), memory_kind=kind)
+    return _quant.QuantizedArray(named(specs[0]), named(specs[1]), m.shape, m.fmt)
   if len(sharding.device_set) == 1:
-    return jax.device_put(m, sharding)
-  return m
+    one = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=kind)
+    return _quant.QuantizedArray(one, one, m.shape, m.fmt)
+  raise ValueError(f"Cannot lay out a quantized moment for a param placed with {sharding}: "
+                   "use a NamedSharding.")
 
 
 def check_moments(updates: Any, moments: Any, fmt: Any, role: str, what: str) -> None:
@@ -279,3 +288,34 @@ def _describe(fmt, m) -> str:
   if fmt is None:
     return "an unquantized array" if not _quant.is_qarray(m) else f"{m.dtype} values"
   return f"{fmt.kind!r} codes in blocks of {fmt.block_size}"
+
+
+# ------------------------------------------------------------- named float32 views
+
+
+def to_numpy(q, gather=np.asarray) -> np.ndarray:
+  """The float32 values a quantized moment stands for, as NumPy (``gather`` fetches its
+  codes and scales whole, e.g. across processes)."""
+  codes, scales = jnp.asarray(gather(q.codes)), jnp.asarray(gather(q.scales))
+  return np.asarray(_quant.dequantize(_quant.QuantizedArray(codes, scales, q.shape, q.fmt)))
+
+
+def quantized_like(value: Any, like) -> Any:
+  """Float ``value`` (``like``'s shape) stored in ``like``'s format, its codes and scales
+  placed as ``like``'s are (device, sharding, memory kind; under ``jax.distributed`` each
+  process places only its own shards)."""
+  value = np.asarray(value, np.float32)
+  if value.shape != tuple(like.shape):
+    raise ValueError(f"shape {value.shape} does not match the moment's {tuple(like.shape)}")
+  q = _quant.quantize(jnp.asarray(value), like.fmt)
+  return _quant.QuantizedArray(_placed(q.codes, like.codes), _placed(q.scales, like.scales),
+                               q.shape, q.fmt)
+
+
+def _placed(x: jax.Array, like: Any) -> jax.Array:
+  if not isinstance(like, jax.Array) or is_tracer(like):
+    return x
+  if not like.is_fully_addressable:
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, like.sharding, lambda idx: host[idx])
+  return jax.device_put(x, like.sharding) if like.committed else x
