@@ -154,10 +154,23 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     bias_correction: divide by :math:`1-\beta^t` (default); ``False`` is MindSpore
       ``nn.AdamWeightDecay``, which has none.
     amsgrad: use the running maximum of :math:`v_t` in the denominator (Reddi et al.).
-    mu_dtype: dtype of the first moment (e.g. ``jnp.bfloat16`` to halve its memory);
-      default: the params' dtype. The arithmetic is always float32 or wider.
-    nu_dtype: dtype of the second moment, likewise (``jnp.bfloat16`` keeps its 8-bit
-      exponent, so :math:`g^2` neither under- nor overflows as it would in float16).
+    mu_dtype: storage of the first moment: a float dtype (e.g. ``jnp.bfloat16`` to halve
+      its memory), or a quantized format, :class:`adamkit.Quantized` or its kind alone
+      (``"8bit"``: bitsandbytes'/torchao's block-wise format, about 1 byte per parameter;
+      ``"4bit"``: half a byte; ``"fp8"``); default: the params' dtype. The arithmetic is
+      always float32 or wider.
+    nu_dtype: storage of the second moment (and of AMSGrad's running maximum), likewise
+      (``jnp.bfloat16`` keeps its 8-bit exponent, so :math:`g^2` neither under- nor
+      overflows as it would in float16).
+
+  With a quantized format each leaf of at least ``min_size`` elements (default 4096; smaller
+  leaves keep float32 moments) stores its moment as a :class:`adamkit.QuantizedArray`
+  (codes and one float32 scale per block): the step reads the old moments dequantized,
+  takes this step's float32 moments for the direction, and stores them re-quantized, as
+  bitsandbytes and torchao do. Under ``jit`` the step keeps no full-size float32 copy of
+  either moment (the new codes are computed in chunks). A leaf whose size is not a
+  multiple of the block is padded to whole blocks (cheaper than keeping float32); complex
+  params refuse a quantized format.
 
   Complex parameters are trained as optax does: :math:`g^2` is :math:`|g|^2`.
 
@@ -176,6 +189,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     >>> u, state = tx.update({"w": jnp.full(3, 0.5)}, tx.init(params))
     >>> type(state).__name__, state.nu_max["w"]
     ('ScaleByAmsgradState', Array([0.00025, 0.00025, 0.00025], dtype=float32))
+    >>> tx = ak.scale_by_adam(mu_dtype="8bit", nu_dtype="8bit")  # block-wise 8-bit moments
+    >>> mu = tx.init({"w": jnp.zeros((64, 256))}).mu["w"]
+    >>> type(mu).__name__, mu.codes.dtype, mu.nbytes  # a byte a value, a float32 per block
+    ('QuantizedArray', dtype('uint8'), 16640)
 
   References:
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.

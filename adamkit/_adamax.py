@@ -51,8 +51,10 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     b1: decay of the first moment, in [0, 1).
     b2: decay of the infinity norm, in [0, 1).
     eps: added to the denominator, at least float32's smallest normal number (1.18e-38).
-    mu_dtype, nu_dtype: storage dtypes of the two moments (e.g. ``jnp.bfloat16``);
-      default: the params' dtype. The arithmetic is float32 or wider.
+    mu_dtype, nu_dtype: storage of the two moments: float dtypes (e.g. ``jnp.bfloat16``)
+      or quantized formats (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``;
+      the infinity norm is stored as a non-negative second moment); default: the params'
+      dtype. The arithmetic is float32 or wider. See :func:`adamkit.scale_by_adam`.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleByAdamaxState`.
