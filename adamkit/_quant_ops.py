@@ -218,7 +218,10 @@ def zero_moments(params: Any, fmt: Any, role: str) -> Any:
     # A Flax NNX variable (nnx.Optimizer's params) gives its value: the moment must be the
     # QuantizedArray itself, whose codes and scales nnx then keeps as two variables (a
     # variable holding the whole moment would be updated with a dict of the two).
-    p = p.get_value() if _is_nnx_variable(p) else p
+    if is_nnx_variable(p):
+      p = p.get_value()
+      if not hasattr(p, "shape"):  # a parameter group's masked leaf (optax.MaskedNode)
+        return p
     if jnp.iscomplexobj(p):
       raise TypeError(
           f"param '{path_name(path) or '<root>'}' is complex ({jnp.asarray(p).dtype}); the "
@@ -227,10 +230,10 @@ def zero_moments(params: Any, fmt: Any, role: str) -> Any:
           "with optax.partition.")
     return placed_like(_quant.init_moment(p, fmt, role), p)
 
-  return jax.tree_util.tree_map_with_path(zero, params, is_leaf=_is_nnx_variable)
+  return jax.tree_util.tree_map_with_path(zero, params, is_leaf=is_nnx_variable)
 
 
-def _is_nnx_variable(x: Any) -> bool:
+def is_nnx_variable(x: Any) -> bool:
   """A Flax NNX ``Variable`` (duck-typed: adamkit does not import flax)."""
   return type(x).__module__.startswith("flax.") and hasattr(x, "get_value")
 
