@@ -60,7 +60,9 @@ from adamkit._offload import (
     offload_state,
 )
 from adamkit._precision import MasterWeightsState, inject_hyperparams, master_weights
-from adamkit._quant import Quantized
+
+# Low-bit optimizer states: 8-bit, 4-bit and fp8 moments (mu_dtype / nu_dtype).
+from adamkit._quant import Quantized, QuantizedArray
 
 # Low-precision params without a master copy: stochastic rounding, Kahan-compensated updates.
 from adamkit._rounding import (
@@ -115,5 +117,5 @@ __all__ = [
     "param_rounding", "stochastic_round", "NearestRoundingState", "StochasticRoundingState",
     "KahanState",
     # low-bit optimizer states
-    "Quantized",
+    "Quantized", "QuantizedArray",
 ]

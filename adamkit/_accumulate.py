@@ -189,6 +189,7 @@ def multi_steps(tx: optax.GradientTransformation,
     k_static = int(every_k_schedule)
     schedule = lambda step: jnp.asarray(k_static, jnp.int32)  # noqa: E731
   _validate.check_bool("use_grad_mean", use_grad_mean)
+  _validate.check_dtype("accumulator_dtype", accumulator_dtype)
   acc_dtype = jnp.dtype(accumulator_dtype)
   inner = optax.with_extra_args_support(tx)
 

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from adamkit import _groups, _links, _masks, _schedules, _validate
-from adamkit._dtypes import compute_dtype
+from adamkit import _groups, _links, _masks, _quant, _quant_ops, _schedules, _validate
 from adamkit._tree import tree_map_multi, zero_moments  # noqa: F401 - also imported from here
 
 
 class ScaleByAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
-  mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
+  # first moment, params' shapes, ``mu_dtype`` or the params' dtype (a QuantizedArray per
+  # leaf of at least ``min_size`` elements when ``mu_dtype`` is a quantized format)
+  mu: optax.Updates
   nu: optax.Updates  # second moment, params' shapes, ``nu_dtype`` or the params' dtype
 
 
@@ -34,12 +36,13 @@ def bias_corrections(b1, b2, count):
   return (1.0 - jnp.asarray(b1, jnp.float32) ** t, 1.0 - jnp.asarray(b2, jnp.float32) ** t)
 
 
-def check_adam_hyper(b1, b2, eps, mu_dtype=None, nu_dtype=None) -> None:
+def check_adam_hyper(b1, b2, eps, mu_dtype=None, nu_dtype=None) -> tuple:
+  """Validates the shared hyperparameters; returns ``(mu_dtype, nu_dtype)`` as ``None``,
+  a ``jnp.dtype`` or an :class:`adamkit.Quantized`."""
   _validate.check_beta("b1", b1)
   _validate.check_beta("b2", b2)
   _validate.check_eps("eps", eps)
-  _validate.check_dtype("mu_dtype", mu_dtype)
-  _validate.check_dtype("nu_dtype", nu_dtype)
+  return _quant.as_format("mu_dtype", mu_dtype), _quant.as_format("nu_dtype", nu_dtype)
 
 
 def abs_sq(g):
@@ -151,10 +154,23 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     bias_correction: divide by :math:`1-\beta^t` (default); ``False`` is MindSpore
       ``nn.AdamWeightDecay``, which has none.
     amsgrad: use the running maximum of :math:`v_t` in the denominator (Reddi et al.).
-    mu_dtype: dtype of the first moment (e.g. ``jnp.bfloat16`` to halve its memory);
-      default: the params' dtype. The arithmetic is always float32 or wider.
-    nu_dtype: dtype of the second moment, likewise (``jnp.bfloat16`` keeps its 8-bit
-      exponent, so :math:`g^2` neither under- nor overflows as it would in float16).
+    mu_dtype: storage of the first moment: a float dtype (e.g. ``jnp.bfloat16`` to halve
+      its memory), or a quantized format, :class:`adamkit.Quantized` or its kind alone
+      (``"8bit"``: bitsandbytes'/torchao's block-wise format, about 1 byte per parameter;
+      ``"4bit"``: half a byte; ``"fp8"``); default: the params' dtype. The arithmetic is
+      always float32 or wider.
+    nu_dtype: storage of the second moment (and of AMSGrad's running maximum), likewise
+      (``jnp.bfloat16`` keeps its 8-bit exponent, so :math:`g^2` neither under- nor
+      overflows as it would in float16).
+
+  With a quantized format each leaf of at least ``min_size`` elements (default 4096; smaller
+  leaves keep float32 moments) stores its moment as a :class:`adamkit.QuantizedArray`
+  (codes and one float32 scale per block): the step reads the old moments dequantized,
+  takes this step's float32 moments for the direction, and stores them re-quantized, as
+  bitsandbytes and torchao do. Under ``jit`` the step keeps no full-size float32 copy of
+  either moment (the new codes are computed in chunks). A leaf whose size is not a
+  multiple of the block is padded to whole blocks (cheaper than keeping float32); complex
+  params refuse a quantized format.
 
   Complex parameters are trained as optax does: :math:`g^2` is :math:`|g|^2`.
 
@@ -173,6 +189,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     >>> u, state = tx.update({"w": jnp.full(3, 0.5)}, tx.init(params))
     >>> type(state).__name__, state.nu_max["w"]
     ('ScaleByAmsgradState', Array([0.00025, 0.00025, 0.00025], dtype=float32))
+    >>> tx = ak.scale_by_adam(mu_dtype="8bit", nu_dtype="8bit")  # block-wise 8-bit moments
+    >>> mu = tx.init({"w": jnp.zeros((64, 256))}).mu["w"]
+    >>> type(mu).__name__, mu.codes.dtype, mu.nbytes  # a byte a value, a float32 per block
+    ('QuantizedArray', dtype('uint8'), 16640)
 
   References:
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
@@ -180,27 +200,29 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     Reproduces MindSpore 2.10 ``nn.Adam`` (``use_amsgrad``) and ``nn.AdamWeightDecay``'s
     direction, PaddlePaddle 3.3.1 ``optimizer.Adam`` / ``AdamW`` (``amsgrad``).
   """
-  check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
+  mu_dtype, nu_dtype = check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   _validate.check_bool("nesterov", nesterov)
   _validate.check_bool("bias_correction", bias_correction)
   _validate.check_bool("amsgrad", amsgrad)
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+  formats = ((mu_dtype, "mu", "first moment"), (nu_dtype, "nu", "second moment"),
+             (nu_dtype, "nu", "running maximum of the second moment"))[:3 if amsgrad else 2]
 
   def init_fn(params):
     _validate.check_float_params(params, complex_ok=True)
-    mu, nu = zero_moments(params, mu_dtype, nu_dtype)
+    moments = [_quant_ops.zero_moments(params, fmt, role) for fmt, role, _ in formats]
     count = jnp.zeros([], jnp.int32)
     if amsgrad:
-      _, nu_max = zero_moments(params, mu_dtype, nu_dtype)
-      return ScaleByAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
-    return ScaleByAdamState(count=count, mu=mu, nu=nu)
+      return ScaleByAmsgradState(count, *moments)
+    return ScaleByAdamState(count, *moments)
 
   def update_fn(updates, state, params=None):
     _validate.check_dense_grads(updates, "ak.scale_by_adam")
     _validate.check_state(state, ScaleByAmsgradState if amsgrad else ScaleByAdamState,
                           "ak.scale_by_adam", updates)
+    olds = (state.mu, state.nu, state.nu_max) if amsgrad else (state.mu, state.nu)
+    for tree, (fmt, role, what) in zip(olds, formats):
+      _quant_ops.check_moments(updates, tree, fmt, role, what)
     updates = _validate.float_grads(updates, params)
     count = optax.safe_increment(state.count)
     if bias_correction:
@@ -210,18 +232,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     hyper = dict(b1=jnp.asarray(b1, jnp.float32), b2=jnp.asarray(b2, jnp.float32),
                  eps=jnp.asarray(eps, jnp.float32), bc1=bc1, bc2=bc2, eps_mode=eps_mode,
                  nesterov=nesterov)
+    step = functools.partial(amsgrad_direction if amsgrad else adam_direction, **hyper)
 
-    def leaf(g, *olds):  # olds: (m, v) or (m, v, v_max), each kept in its own dtype
-      dt = compute_dtype(g)
-      step = amsgrad_direction if amsgrad else adam_direction
-      u, *news = step(g.astype(dt), *(x.astype(dt) for x in olds), **hyper)
-      return (u.astype(g.dtype), *(n.astype(o.dtype) for n, o in zip(news, olds)))
+    def leaf(g, *olds):  # olds: (m, v) or (m, v, v_max), each kept as stored
+      return _quant_ops.leaf_step(step, g, olds)
 
+    u, *moments = tree_map_multi(leaf, 1 + len(olds), updates, *olds)
     if amsgrad:
-      u, mu, nu, nu_max = tree_map_multi(leaf, 4, updates, state.mu, state.nu, state.nu_max)
-      return u, ScaleByAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
-    u, mu, nu = tree_map_multi(leaf, 3, updates, state.mu, state.nu)
-    return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
+      return u, ScaleByAmsgradState(count, *moments)
+    return u, ScaleByAdamState(count, *moments)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

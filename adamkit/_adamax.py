@@ -8,15 +8,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from adamkit import _groups, _links, _masks, _schedules, _validate
-from adamkit._adam import bias_corrections, check_adam_hyper, tree_map_multi, zero_moments
-from adamkit._dtypes import compute_dtype
+from adamkit import _groups, _links, _masks, _quant_ops, _schedules, _validate
+from adamkit._adam import bias_corrections, check_adam_hyper, tree_map_multi
 
 
 class ScaleByAdamaxState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates at int32 max)
   mu: optax.Updates  # first moment, params' shapes, ``mu_dtype`` or the params' dtype
-  nu: optax.Updates  # infinity norm max(b2 * nu, |g|), ``nu_dtype`` or the params' dtype
+  # infinity norm max(b2 * nu, |g|), ``nu_dtype`` (a quantized one: as a second moment)
+  # or the params' dtype
+  nu: optax.Updates
 
 
 def adamax_direction(g, m, v, *, b1, b2, eps, bc1):
@@ -50,8 +51,10 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     b1: decay of the first moment, in [0, 1).
     b2: decay of the infinity norm, in [0, 1).
     eps: added to the denominator, at least float32's smallest normal number (1.18e-38).
-    mu_dtype, nu_dtype: storage dtypes of the two moments (e.g. ``jnp.bfloat16``);
-      default: the params' dtype. The arithmetic is float32 or wider.
+    mu_dtype, nu_dtype: storage of the two moments: float dtypes (e.g. ``jnp.bfloat16``)
+      or quantized formats (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``;
+      the infinity norm is stored as a non-negative second moment); default: the params'
+      dtype. The arithmetic is float32 or wider. See :func:`adamkit.scale_by_adam`.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleByAdamaxState`.
@@ -67,28 +70,29 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015, section 7.1.
     Reproduces MindSpore 2.10 ``nn.AdaMax``.
   """
-  check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+  mu_dtype, nu_dtype = check_adam_hyper(b1, b2, eps, mu_dtype, nu_dtype)
 
   def init_fn(params):
     _validate.check_float_params(params, complex_ok=True)
-    mu, nu = zero_moments(params, mu_dtype, nu_dtype)
-    return ScaleByAdamaxState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+    return ScaleByAdamaxState(count=jnp.zeros([], jnp.int32),
+                              mu=_quant_ops.zero_moments(params, mu_dtype, "mu"),
+                              nu=_quant_ops.zero_moments(params, nu_dtype, "nu"))
 
   def update_fn(updates, state, params=None):
     _validate.check_dense_grads(updates, "ak.scale_by_adamax")
     _validate.check_state(state, ScaleByAdamaxState, "ak.scale_by_adamax", updates)
+    _quant_ops.check_moments(updates, state.mu, mu_dtype, "mu", "first moment")
+    _quant_ops.check_moments(updates, state.nu, nu_dtype, "nu", "infinity norm")
     updates = _validate.float_grads(updates, params)
     count = optax.safe_increment(state.count)
     bc1, _ = bias_corrections(b1, b2, count)
     b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
 
+    def step(g, m, v):
+      return adamax_direction(g, m, v, b1=b1_, b2=b2_, eps=eps_, bc1=bc1)
+
     def leaf(g, m_old, v_old):
-      dt = compute_dtype(g)
-      u, m, v = adamax_direction(g.astype(dt), m_old.astype(dt), v_old.astype(dt), b1=b1_, b2=b2_,
-                                 eps=eps_, bc1=bc1)
-      return u.astype(g.dtype), m.astype(m_old.dtype), v.astype(v_old.dtype)
+      return _quant_ops.leaf_step(step, g, (m_old, v_old))
 
     u, mu, nu = tree_map_multi(leaf, 3, updates, state.mu, state.nu)
     return u, ScaleByAdamaxState(count=count, mu=mu, nu=nu)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from adamkit import _quant, _quant_ops
 from adamkit._adam import ScaleByAdamState, ScaleByAmsgradState
 from adamkit._adamax import ScaleByAdamaxState
 from adamkit._fused import FlatMoments, FusedAdamState, FusedAmsgradState
@@ -40,10 +41,11 @@ def _group_of(path) -> str:
 
 def _named_leaves(state: Any) -> list[tuple[str, int, Any, Any]]:
   """``(name, index, leaf, part)`` for every named array of ``state``: ``leaf`` is the
-  ``index``-th of ``jax.tree.leaves(state)``; ``part`` is ``None`` (the whole leaf) or
-  ``(offset, shape)``, one param's moment in a multi-tensor flat buffer (several names
-  then share a leaf)."""
-  nodes, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_moment_state)
+  ``index``-th of :func:`_units` (a quantized moment is one leaf, named as the float32
+  moment it stands for); ``part`` is ``None`` (the whole leaf) or ``(offset, shape)``,
+  one param's moment in a multi-tensor flat buffer (several names then share a leaf)."""
+  nodes, _ = jax.tree_util.tree_flatten_with_path(
+      state, is_leaf=lambda x: is_moment_state(x) or _quant.is_qarray(x))
   n_moment = sum(1 for _, n in nodes if is_moment_state(n))
   out = []
   index = 0
@@ -73,10 +75,16 @@ def _named_leaves(state: Any) -> list[tuple[str, int, Any, Any]]:
               add(f"{name}.{suffix}", buf, (at, shape))
           index += 1
         continue
-      for p, leaf in jax.tree_util.tree_flatten_with_path(moments)[0]:
+      for p, leaf in jax.tree_util.tree_flatten_with_path(moments, is_leaf=_quant.is_qarray)[0]:
         add(f"{path_name(p) or 'param'}.{suffix}", leaf)
         index += 1
   return out
+
+
+def _units(state: Any) -> Any:
+  """The tree structure of ``state`` whose leaves :func:`_named_leaves` counts: arrays,
+  and each quantized moment whole."""
+  return jax.tree.structure(state, is_leaf=_quant.is_qarray)
 
 
 def _part(whole: np.ndarray, part) -> np.ndarray:
@@ -88,7 +96,10 @@ def _part(whole: np.ndarray, part) -> np.ndarray:
 
 def _to_numpy(leaf: Any) -> np.ndarray:
   """The whole of ``leaf`` as a NumPy array; a ``jax.Array`` spread over several processes
-  is all-gathered first (a collective: every process must get here)."""
+  is all-gathered first (a collective: every process must get here). A quantized moment
+  comes out as the float32 values it stands for."""
+  if _quant.is_qarray(leaf):
+    return _quant_ops.to_numpy(leaf, _to_numpy)
   if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
     if leaf.sharding.memory_kind not in (None, "device"):  # gather in device memory
       leaf = jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
@@ -102,6 +113,9 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   Moments are named after the parameter they belong to: ``"<param>.moment1"`` (first
   moment, Paddle ``moment1`` / MindSpore ``moment1.<param>``), ``"<param>.moment2"`` and,
   with AMSGrad, ``"<param>.moment2_max"`` (Paddle ``moment2_max``, MindSpore ``vhat``);
+  a quantized moment (:class:`adamkit.Quantized`) appears as the float32 values it
+  stands for, so a state dict moves between quantized and float optimizers (exact resume
+  of a quantized state goes through orbax, which saves its codes and scales);
   the step count is ``"step"`` (parameter groups share it; ``"<label>.step"`` for each
   adamkit optimizer inside an ``optax.partition`` of several). Every other
   state leaf (schedule counters, ...) is kept under ``"state.<path>"`` so that
@@ -152,9 +166,10 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
 def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = True) -> Any:
   """The inverse of :func:`state_dict`: a state shaped like ``like_state``.
 
-  Each array is cast to the dtype of the matching leaf of ``like_state`` and, where that
-  leaf is a ``jax.Array``, placed with the same sharding (device and memory kind: an
-  offloaded state comes back in host memory). Under ``jax.distributed`` each process
+  Each array is cast to the dtype of the matching leaf of ``like_state`` (quantized, where
+  that leaf is a quantized moment) and, where that leaf is a ``jax.Array``, placed with
+  the same sharding (device and memory kind: an offloaded state comes back in host
+  memory). Under ``jax.distributed`` each process
   places only the shards its own devices hold (no collective); every process passes the
   same whole ``flat``, e.g. from :func:`state_dict`.
 
@@ -178,11 +193,14 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
   values, likes = {}, {}
   for name, index, like, part in named:
     value = np.asarray(flat[name])
-    want = np.shape(like) if part is None else tuple(part[1])
+    want = tuple(like.shape) if part is None else tuple(part[1])
     if value.shape != want:
       raise ValueError(f"load_state_dict: '{name}' has shape {value.shape}, expected {want}.")
-    value = value.astype(like.dtype)
     likes[index] = like
+    if _quant.is_qarray(like):
+      values[index] = _quant_ops.quantized_like(value, like)
+      continue
+    value = value.astype(like.dtype)
     if part is None:
       values[index] = value
     else:  # one param's moment in a flat buffer: the buffer is filled part by part
@@ -191,14 +209,16 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
   leaves = []
   for index in sorted(values):
     value, like = values[index], likes[index]
-    if isinstance(like, jax.Array) and not like.is_fully_addressable:
+    if _quant.is_qarray(like):
+      leaves.append(value)
+    elif isinstance(like, jax.Array) and not like.is_fully_addressable:
       leaves.append(jax.make_array_from_callback(value.shape, like.sharding,
                                                  lambda idx, v=value: v[idx]))
     elif isinstance(like, jax.Array):
       leaves.append(jax.device_put(value, like.sharding))
     else:
       leaves.append(jnp.asarray(value))
-  return jax.tree.unflatten(jax.tree.structure(like_state), leaves)
+  return jax.tree.unflatten(_units(like_state), leaves)
 
 
 def _unwrap(x):

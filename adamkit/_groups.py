@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from adamkit import _links, _masks, _schedules, _validate
+from adamkit import _links, _masks, _quant_ops, _schedules, _validate
 from adamkit._sparse_types import is_row_sparse
 from adamkit._tree import place_scalars_like
 
@@ -125,7 +125,11 @@ def _labeller(groups: Sequence[Group]) -> Callable[[Any], Any]:
           return g.name
       return DEFAULT_LABEL
     # optax.partition labels the gradients too: a RowSparse stands for its table, one label.
-    return jax.tree_util.tree_map_with_path(label, params, is_leaf=is_row_sparse)
+    # A Flax NNX variable gets one label too (not its value inside): the labels are then a
+    # prefix of every per-parameter tree, a quantized moment (codes and scales, no
+    # variable around them) included.
+    return jax.tree_util.tree_map_with_path(
+        label, params, is_leaf=lambda x: is_row_sparse(x) or _quant_ops.is_nnx_variable(x))
   return labels
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from adamkit import _quant, _quant_ops
 from adamkit._adamax import ScaleByAdamaxState
 from adamkit._checkpoint import MOMENT_FIELDS, is_moment_state
 from adamkit._fused import FlatMoments, FusedAdamaxState
@@ -243,7 +244,10 @@ def _map_states(state, fn):
 
 
 def _like(value, old):
-  """``value`` as an array with the dtype, shape and placement of ``old``."""
+  """``value`` as an array with the dtype, shape and placement of ``old`` (quantized in
+  ``old``'s format where ``old`` is a quantized moment)."""
+  if _quant.is_qarray(old):
+    return _quant_ops.quantized_like(value, old)
   arr = np.asarray(value).astype(old.dtype)
   if arr.shape != old.shape:
     raise ValueError(f"shape {arr.shape} does not match the parameter's {old.shape}")
@@ -292,7 +296,7 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
     def leaf(path, old):
       new = framework_value(path, old, what)
       return old if new is None else new
-    return jax.tree_util.tree_map_with_path(leaf, tree)
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_quant.is_qarray)
 
   def fill(node):
     if is_moment_state(node):

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from adamkit import _adam, _compat, _masks, _quant, _validate
+from adamkit import _adam, _compat, _masks, _quant, _quant_ops, _validate
 from adamkit._fused import FlatMoments, FusedStep
 from adamkit._sparse_types import (
     RowSparse,
@@ -241,7 +241,7 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
   scalar = _replicated(entries[0][2], "device")
 
   def place(path, leaf):
-    path, shape = tuple(path), np.shape(leaf)
+    path, shape = tuple(path), tuple(np.shape(leaf))
     if _is_small(leaf):
       return scalar
     best = None
@@ -250,11 +250,14 @@ def offload_shardings(state: Any, params: Any, *, shardings: Any = None,
       if p_shape == shape and path[len(path) - n:] == p_path and (
           best is None or n > best[0]):
         best = (n, s)
+    if _quant.is_qarray(leaf):  # codes and scales laid out by the param they stand for
+      where = best[1] if best else _replicated(entries[0][2], memory_kind)
+      return _quant_ops.shardings_like(leaf, where, memory_kind)
     if best is None:
       return _replicated(entries[0][2], memory_kind, len(shape))
     return best[1].with_memory_kind(memory_kind)
 
-  return jax.tree_util.tree_map_with_path(place, state)
+  return jax.tree_util.tree_map_with_path(place, state, is_leaf=_quant.is_qarray)
 
 
 def offload_state(state: Any, params: Any, *, shardings: Any = None,
@@ -501,6 +504,14 @@ def _host_init(init, mode: str, memory_kind: str):
     if devices is not None:
       _warn_if_uncommitted(params)
     state = init(params)
+    if mode == "compute" and any(map(_quant.is_qarray,
+                                     jax.tree.leaves(state, is_leaf=_quant.is_qarray))):
+      raise ValueError(
+          "ak.offload(mode='compute') cannot step quantized moments (mu_dtype/nu_dtype "
+          "'8bit', '4bit', 'fp8'): JAX 0.10 cannot trace their code-book lookups on "
+          "host-resident arrays. Use mode='state' (the default of ak.offload, and of "
+          "ak.adam_offload with a quantized format): the codes and scales still live in "
+          "host memory between steps, a quarter of the float32 state's traffic.")
     if devices is None:  # traced init: keep the layout the compiler picks, in host memory
       return _to_host(state)
     return offload_state(state, params, memory_kind=memory_kind)
@@ -723,7 +734,8 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  weight_decay_mask: Any = _masks.MINDSPORE_DEFAULT,
                  loss_scale: float = 1.0, grad_clip: Any = None,
                  grad_centralization: bool = False, groups: Any = None,
-                 mu_dtype: Any = None, nonfinite: str = "propagate", mode: str = "compute",
+                 mu_dtype: Any = None, nu_dtype: Any = None, nonfinite: str = "propagate",
+                 mode: str | None = None,
                  memory_kind: str = "pinned_host") -> optax.GradientTransformationExtraArgs:
   r"""MindSpore ``nn.AdamOffload``: :func:`adamkit.adam` with its state in host memory.
 
@@ -740,9 +752,13 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
   Args:
     learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``weight_decay``,
       ``weight_decay_mask``, ``loss_scale``, ``grad_clip``, ``grad_centralization``,
-      ``groups``, ``mu_dtype``, ``nonfinite``: as :func:`adamkit.adam` (MindSpore's
-      defaults: decay skips ``beta``/``gamma`` names).
-    mode: and ``memory_kind``: as :func:`adamkit.offload`.
+      ``groups``, ``mu_dtype``, ``nu_dtype``, ``nonfinite``: as :func:`adamkit.adam`
+      (MindSpore's defaults: decay skips ``beta``/``gamma`` names). A quantized
+      ``mu_dtype``/``nu_dtype`` (:class:`adamkit.Quantized`, e.g. ``"8bit"``) keeps codes
+      and scales in host memory: a quarter of the float32 state.
+    mode: and ``memory_kind``: as :func:`adamkit.offload`. Default: ``"compute"``
+      (MindSpore's), or ``"state"`` when ``mu_dtype`` or ``nu_dtype`` is a quantized
+      format (``"compute"`` cannot step quantized moments on the host).
 
   Returns:
     ``ak.offload(ak.adam(...), mode=mode, memory_kind=memory_kind)``.
@@ -762,9 +778,13 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015. Reproduces
     MindSpore 2.10 ``nn.AdamOffload`` (the same formula as ``nn.Adam``).
   """
+  if mode is None:
+    quantized = any(_quant.is_quantized(_quant.as_format(name, value)) for name, value in
+                    (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)))
+    mode = "state" if quantized else "compute"
   tx = _adam.adam(learning_rate, b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov,
                   weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                   loss_scale=loss_scale, grad_clip=grad_clip,
                   grad_centralization=grad_centralization, groups=groups, mu_dtype=mu_dtype,
-                  nonfinite=nonfinite)
+                  nu_dtype=nu_dtype, nonfinite=nonfinite)
   return offload(tx, mode=mode, memory_kind=memory_kind)

@@ -89,6 +89,7 @@ def master_weights(tx: optax.GradientTransformation, *,
     Micikevicius et al., "Mixed Precision Training", ICLR 2018. Reproduces PaddlePaddle
     ``optimizer.Adam(multi_precision=True)``.
   """
+  _validate.check_dtype("master_dtype", master_dtype)
   master_dtype = jnp.dtype(master_dtype)
 
   def to_master(p):

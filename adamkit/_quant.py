@@ -425,7 +425,9 @@ def _pack4(codes: jax.Array) -> jax.Array:
 
 
 def _unpack4(packed: jax.Array, block: int) -> jax.Array:
-  both = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+  # A broadcast shift, not a stack of two slices: XLA fuses it into its consumer, where a
+  # concatenate would be materialized (a byte per parameter of temporaries).
+  both = (packed[..., None] >> jnp.array([0, 4], jnp.uint8)) & jnp.uint8(0xF)
   return both.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))[..., :block]
 
 
@@ -439,7 +441,10 @@ def encode_blocks(xb: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
     if fmt.kind != "8bit":
       xb = jnp.sqrt(xb)
   scale = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), SCALE_FLOOR)
-  codes = _encode(xb / scale[..., None], fmt)
+  # x * (1 / scale), written out: XLA rewrites a division by a broadcast scale so under
+  # jit, and eager, jitted and kernel codes must agree bit for bit (4-bit's dither hashes
+  # the bits of x / scale).
+  codes = _encode(xb * (np.float32(1.0) / scale)[..., None], fmt)
   if fmt.packed:
     codes = _pack4(codes)
   return codes, scale

@@ -92,11 +92,19 @@ def check_eps(name: str, value: Any) -> None:
         f"number; smaller values flush to zero in the float32 step), got {v}.")
 
 
+QUANTIZED_KINDS = ("8bit", "4bit", "fp8")  # adamkit._quant.KINDS (that module imports this one)
+
+
 def check_dtype(name: str, value: Any, *, complex_ok: bool = True) -> Any:
   """``None`` or a floating (or, with ``complex_ok``, complex) dtype; returns it as a
   ``jnp.dtype`` (or ``None``). TypeError naming ``name`` for anything else."""
   if value is None:
     return None
+  if type(value).__name__ == "Quantized" or (isinstance(value, str) and value in QUANTIZED_KINDS):
+    raise TypeError(
+        f"`{name}` must be a floating-point dtype such as jnp.float32 or jnp.bfloat16, got "
+        f"{value!r}: quantized storage ('8bit', '4bit', 'fp8', ak.Quantized) is for optimizer "
+        "moments only (mu_dtype / nu_dtype).")
   try:
     dtype = jnp.dtype(value)
   except TypeError as err:
@@ -146,8 +154,13 @@ def check_float_params(params: Any, what: str = "params", *, complex_ok: bool = 
   """Rejects integer and boolean parameter leaves (and complex ones unless ``complex_ok``)
   with the leaf's name. Python floats are accepted, as optax does (they become float32
   arrays); anything that is not a number names its leaf too."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+  quantized = lambda x: type(x).__name__ == "QuantizedArray"  # noqa: E731 - no import cycle
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=quantized)[0]:
     name = path_name(path) or "<root>"
+    if quantized(leaf):
+      raise TypeError(f"{what} leaf '{name}' is a QuantizedArray: quantized storage is for "
+                      "optimizer moments only (mu_dtype / nu_dtype); pass floating-point "
+                      "parameters.")
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
       if isinstance(leaf, (bool, np.bool_)) or not isinstance(leaf, numbers.Number):

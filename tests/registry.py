@@ -13,10 +13,11 @@ default) and per leaf, and under ``ak.master_weights``.
 """
 
 import adamkit as ak
-from adamkit._quant import Quantized  # ak.Quantized once exported
 
-# Quantized moments for every leaf of the small test params (the default min_size is 4096).
-Q8, Q4 = Quantized("8bit", min_size=0), Quantized("4bit", min_size=0)
+# Quantized moment formats small enough for the suites' leaves (see the issue-19 entries).
+Q8 = ak.Quantized("8bit", block_size=64, min_size=0)
+Q4 = ak.Quantized("4bit", block_size=64, min_size=0)
+QF = ak.Quantized("fp8", block_size=64, min_size=0)
 
 # name -> factory(learning_rate) of every optimizer the shared properties must hold for.
 REGISTRY = {
@@ -93,9 +94,31 @@ REGISTRY = {
     # quantized too), multi-tensor (flat code buffers)
     "fused_adamw_8bit": lambda lr: ak.fused_adamw(
         lr, mu_dtype=ak.Quantized("8bit", min_size=0), nu_dtype=ak.Quantized("8bit", min_size=0)),
+    # issue 19: quantized moments. The suites' leaves are small (72 elements at most), so
+    # min_size=0 and blocks of 64 put every leaf through the quantized step (padded blocks).
+    "adam_8bit": lambda lr: ak.adam(lr, mu_dtype=Q8, nu_dtype=Q8),
+    "adam_4bit": lambda lr: ak.adam(lr, mu_dtype=Q4, nu_dtype=Q4),
+    "adamw_8bit": lambda lr: ak.adamw(lr, mu_dtype=Q8, nu_dtype=Q8),
+    "adamw_4bit_amsgrad": lambda lr: ak.adamw(lr, amsgrad=True, mu_dtype=Q4, nu_dtype=Q4),
+    "adamw_fp8": lambda lr: ak.adamw(lr, mu_dtype=QF, nu_dtype=QF),
+    "adamax_8bit": lambda lr: ak.adamax(lr, weight_decay=0.01, mu_dtype=Q8, nu_dtype=Q8),
+    "adam_8bit_full": lambda lr: ak.adam(
+        lr, weight_decay=0.01, loss_scale=8.0, grad_clip=ak.ClipGradByGlobalNorm(1.0),
+        groups=[ak.Group("conv.*", lr_scale=2.0, grad_centralization=True)],
+        mu_dtype=Q8, nu_dtype=Q4),
+    "offload_adamw_8bit_state": lambda lr: ak.offload(ak.adamw(lr, mu_dtype=Q8, nu_dtype=Q8),
+                                                      mode="state"),
+    # ak.adam_offload with a quantized format defaults to mode="state"
+    "adam_offload_8bit": lambda lr: ak.adam_offload(lr, mu_dtype=Q8, nu_dtype=Q8),
+    "master_weights_adamw_4bit": lambda lr: ak.master_weights(ak.adamw(lr, mu_dtype=Q4,
+                                                                        nu_dtype=Q4)),
 }
 
 NAMES = sorted(REGISTRY)
+
+# The quantized entries: their moments are ak.QuantizedArray (codes and scales), shaped by
+# blocks rather than like the params (the suite's (4, 2, 3, 3) leaf is padded to blocks).
+QUANTIZED = tuple(n for n in NAMES if any(k in n for k in ("8bit", "4bit", "fp8")))
 
 # Documented limits of the fused steps' optax form (docs/optimizers/fused.md):
 # - their state keeps no learning-rate record: ak.get_lr raises a ValueError naming the
@@ -139,4 +162,6 @@ OFFLOADED = {
                                      "compute"),
     "offload_sparse_adam_8bit_state": (lambda lr: ak.sparse_adam(lr, mu_dtype=Q8, nu_dtype=Q8),
                                        "state"),
+    "offload_adamw_8bit_state": (lambda lr: ak.adamw(lr, mu_dtype=Q8, nu_dtype=Q8), "state"),
+    "adam_offload_8bit": (lambda lr: ak.adam(lr, mu_dtype=Q8, nu_dtype=Q8), "state"),
 }

@@ -13,6 +13,9 @@ import adamkit as ak
 ocp = pytest.importorskip("orbax.checkpoint")
 
 N_ROWS = 50
+# quantized formats small enough for these leaves (200 elements at most)
+Q8 = ak.Quantized("8bit", block_size=64, min_size=0)
+Q4 = ak.Quantized("4bit", block_size=64, min_size=0)
 
 
 def _params():
@@ -67,6 +70,12 @@ CASES = {
     "adam_offload_compute": (lambda: ak.adam_offload(0.05, weight_decay=0.01), _dense_step),
     "offload_sparse_state": (lambda: ak.offload(ak.sparse_adam(0.05, weight_decay=0.01),
                                                 mode="state"), _sparse_step),
+    # quantized moments (issue 19): codes and scales saved and restored as they are
+    "adamw_8bit_4bit_groups": (lambda: ak.adamw(
+        optax.exponential_decay(0.05, 3, 0.7), amsgrad=True, mu_dtype=Q8, nu_dtype=Q4,
+        groups=[ak.Group("fc.*", lr_scale=0.5, b2=0.99)]), _dense_step),
+    "offload_8bit_state": (lambda: ak.offload(ak.adam(0.05, mu_dtype=Q8, nu_dtype=Q8),
+                                              mode="state"), _dense_step),
 }
 
 

@@ -74,7 +74,8 @@ def _cases():
   from registry import REGISTRY
   own = ["sparse_adam_lazy", "sparse_adam_not_lazy", "fused_adam_xla", "fused_adam_auto",
          "fused_adamax", "fused_adam_update", "offload_state", "offload_compute",
-         "master_weights", "routed_rows", "param_rounding_stochastic", "param_rounding_kahan"]
+         "master_weights", "quantized_offload_state", "routed_rows", "param_rounding_stochastic",
+         "param_rounding_kahan"]
   return [f"registry:{n}" for n in REGISTRY] + own
 
 
@@ -96,7 +97,7 @@ def test_params_keep_their_shardings(results, case):
 
 
 @pytest.mark.parametrize("case", ["sparse_adam_lazy", "offload_state", "offload_compute",
-                                  "fused_adam_xla"])
+                                  "fused_adam_xla", "quantized_offload_state"])
 @pytest.mark.parametrize("what", ["state_dict", "orbax"])
 def test_checkpoints_across_processes(results, case, what):
   _outcome(results, f"checkpoint:{case}", what)

@@ -71,8 +71,8 @@ def code_values(kind, role):
   """Sorted values of the codes (None for fp8, whose code is a float8 number)."""
   if kind == "8bit":
     return dynamic_map(8, role == "mu")
-  if kind == "4bit":
-    return dynamic_map(4, True) if role == "mu" else 2.0 ** (-(15 - np.arange(16)) / 2)
+  if kind == "4bit":  # mu: levels k/7 (k = -7..7, code k + 7); nu: 2^((k - 15)/2)
+    return np.arange(-7, 9) / 7 if role == "mu" else 2.0 ** (-(15 - np.arange(16)) / 2)
   return None
 
 
@@ -94,6 +94,8 @@ def ref_quantize(x, kind, role, block):
   elif kind == "4bit" and role == "nu":  # nearest in log2
     k = np.clip(np.round(15 + 2 * np.log2(np.maximum(r, 2.0 ** -16))), 0, 15)
     q = 2.0 ** (-(15 - k) / 2)
+  elif kind == "4bit":  # dithered between two levels: assert_stored_close checks either
+    q = np.round(r * 7) / 7
   else:  # nearest value, ties to the larger code
     book = code_values(kind, role)
     dist = np.abs(r[..., None] - book)
@@ -159,6 +161,13 @@ def assert_stored_close(got, want, exact, kind, role, block, what):
   differs, and such an element holds the value of a code next to the exact one."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   scale = ref_quantize(exact, kind, role, block)[1].repeat(block, axis=1)
+  if kind == "4bit" and role == "mu":  # dithered: either level next to exact / scale
+    r = exact / scale
+    for level in (np.floor(r * 7), np.ceil(r * 7)):
+      got_is = np.abs(got - level / 7 * scale) <= 1e-5 * scale + 1e-30
+      got = np.where(got_is, np.nan, got)
+    assert np.all(np.isnan(got)), what
+    return
   if role == "nu" and kind != "8bit":
     scale = scale * scale
   close = np.abs(got - want) <= 1e-5 * scale + 1e-30

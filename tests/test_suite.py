@@ -10,9 +10,10 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from registry import FLAT_STATE, NAMES, OFFLOADED, REGISTRY
+from registry import FLAT_STATE, NAMES, OFFLOADED, QUANTIZED, REGISTRY
 
 import adamkit as ak
+from adamkit import _quant
 
 
 def same_layout(x, sharding):
@@ -202,10 +203,21 @@ def test_sharded_params_over_8_devices(name):
   sharded = jax.device_put(params, shardings)
   tx = REGISTRY[name](0.01)
   state = tx.init(sharded)
-  # moments are born with their param's sharding, not on one device
-  born = [x for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (4, 2, 3, 3)]
-  assert (name in FLAT_STATE) != bool(born and all(same_layout(x, shardings["conv"]["weight"])
-                                                   for x in born))
+  expected_kind = "pinned_host" if "offload" in name else "device"
+  if name in QUANTIZED:
+    # codes and scales of the (4, 2, 3, 3) leaf: padded blocks (its last axis is no
+    # multiple of the block), so they are replicated over the mesh; tests/test_quantized.py
+    # shards a leaf whose rows are whole blocks
+    born = [x for x in jax.tree.leaves(state, is_leaf=_quant.is_qarray)
+            if _quant.is_qarray(x) and x.shape == (4, 2, 3, 3)]
+    assert born and all(a.sharding.is_fully_replicated and len(a.sharding.device_set) == 8
+                        and a.sharding.memory_kind == expected_kind
+                        for x in born for a in (x.codes, x.scales))
+  else:
+    # moments are born with their param's sharding, not on one device
+    born = [x for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (4, 2, 3, 3)]
+    assert (name in FLAT_STATE) != bool(born and all(same_layout(x, shardings["conv"]["weight"])
+                                                     for x in born))
 
   @jax.jit
   def step(params, state, grads):
@@ -219,11 +231,10 @@ def test_sharded_params_over_8_devices(name):
   assert_trees_close(p, ref_p, rtol=1e-5, atol=1e-6)
   for leaf, sharding in zip(jax.tree.leaves(p), jax.tree.leaves(shardings)):
     assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-  if name in FLAT_STATE:
+  if name in FLAT_STATE or name in QUANTIZED:
     return
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     adam_states = [x for x in jax.tree.leaves(s) if getattr(x, "shape", ()) == (4, 2, 3, 3)]
   assert adam_states and all(same_layout(x, shardings["conv"]["weight"]) for x in adam_states)
-  expected_kind = "pinned_host" if "offload" in name else "device"
   assert all(x.sharding.memory_kind == expected_kind for x in adam_states)

@@ -1,0 +1,335 @@
+"""The step of a leaf whose moments may be stored quantized, and the checks around it.
+
+A quantized moment is read by :func:`adamkit._quant.dequantize` and written by
+:func:`adamkit._quant.quantize`, but a step written that way keeps full-size float32
+copies of the old and new moments alive at once under ``jit`` (16 bytes per parameter
+of temporaries at 16M parameters, more than the state it saves). :func:`leaf_step` splits
+the step in two, each of which XLA keeps small:
+
+* the direction ``u`` from the gradient and the *old* codes, elementwise: under ``jit``
+  it fuses into ``optax.apply_updates``' add and is never materialized;
+* the *new* codes and scales in a ``lax.fori_loop`` over chunks of about
+  :data:`CHUNK` elements, which decodes, steps and encodes one chunk at a time into
+  fresh output buffers.
+
+Both compute the moments with the same function, so the stored state is
+``quantize(m_t)`` exactly, as the one-pass form would give.
+
+The chunks of a leaf whose codes keep its leading axes (the last axis a multiple of every
+block) are strided over axis 0: chunk ``k`` holds the rows ``k, k + K, k + 2K, ...``, so a
+row- or column-sharded parameter, whose codes and scales are sharded alike, is stepped
+shard by shard with no collective. Other leaves are cut into contiguous chunks of their
+flattened elements, the last (shorter) chunk stepped on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from adamkit import _quant
+from adamkit._dtypes import compute_dtype
+from adamkit._tree import is_tracer
+from adamkit._validate import path_name
+
+CHUNK = 1 << 16  # elements encoded per loop iteration: float32 temporaries of 256 KiB
+
+
+# ----------------------------------------------------------------------- the leaf step
+
+
+def leaf_step(step: Callable, g: jax.Array, olds) -> tuple:
+  """``step(g, *moments) -> (u, *new_moments)`` on one leaf whose moments ``olds`` are
+  stored as plain arrays (any dtype) or :class:`adamkit._quant.QuantizedArray`.
+
+  ``step`` sees the moments in the compute dtype (dequantized where stored quantized) and
+  must be elementwise. Returns ``u`` in the gradient's dtype and each new moment stored as
+  its old one is."""
+  dt = compute_dtype(g)
+  u, *news = step(g.astype(dt), *(_quant.load(o).astype(dt) for o in olds))
+  u = u.astype(g.dtype)
+  if not any(_quant.is_qarray(o) for o in olds):
+    return (u, *(n.astype(o.dtype) for n, o in zip(news, olds)))
+  # XLA converts a low-precision g to float32 whole before the loop (bf16 params: 4 bytes
+  # per parameter of temporaries, against under 0.2 for float32 ones)
+  stored = _requantize(lambda gc, *oc: step(gc, *oc)[1:], g.astype(dt), olds)
+  return (u, *(s if _quant.is_qarray(o) else n.astype(o.dtype)
+               for s, n, o in zip(stored, news, olds)))
+
+
+def _requantize(moments: Callable, g: jax.Array, olds) -> list:
+  """The new moments of ``moments(g, *olds)`` stored as ``olds`` are, chunk by chunk.
+  Plain moments come back as ``None`` (the caller has them from the elementwise pass)."""
+  quant = [o for o in olds if _quant.is_qarray(o)]
+  block = max(q.fmt.block_size for q in quant)
+  if g.size == 0:
+    return [o if _quant.is_qarray(o) else None for o in olds]
+  if g.ndim and all(_lead_layout(q) for q in quant):
+    rows = _Rows(g.shape, block)
+    if rows.plan is not None:
+      return _strided(moments, g, olds, rows)
+  return _contiguous(moments, g, olds, block)
+
+
+def _lead_layout(q) -> bool:
+  """Whether ``q``'s codes keep the leaf's leading axes (no padding)."""
+  return len(q.shape) >= 1 and q.shape[-1] > 0 and q.shape[-1] % q.fmt.block_size == 0
+
+
+def _divisors(n: int) -> list[int]:
+  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return sorted(set(small + [n // d for d in small]))
+
+
+class _Rows:
+  """A leaf seen as ``(rows, *row)``: its axis 0 (a 1-D leaf: runs of ``block`` elements,
+  the largest block of its moments), and how to cut the rows into strided chunks."""
+
+  def __init__(self, shape: tuple, block: int):
+    self.ndim = len(shape)
+    if self.ndim >= 2:
+      self.rows, self.row = shape[0], tuple(shape[1:])
+    else:
+      self.rows, self.row = shape[0] // block, (block,)
+    row_size = math.prod(self.row)
+    # ``K`` chunks of ``r`` rows, ``r`` the divisor of the rows nearest CHUNK elements
+    # from below; none when that leaves chunks under an eighth of it (few long rows,
+    # a prime number of rows) or over eight times it (one long row): those leaves take
+    # contiguous chunks instead.
+    r = max(d for d in _divisors(self.rows) if d * row_size <= CHUNK) if row_size <= CHUNK else 1
+    size = r * row_size
+    fits = 8 * size >= min(CHUNK, self.rows * row_size) and size <= 8 * CHUNK
+    self.plan = (r, self.rows // r) if fits else None
+
+  def of(self, x: jax.Array) -> jax.Array:
+    """A leaf-shaped array as ``(rows, *row)``."""
+    return x.reshape((self.rows,) + self.row)
+
+  def codes(self, q) -> tuple[jax.Array, jax.Array]:
+    """``q``'s codes and scales with axis 0 the leaf's rows."""
+    if self.ndim >= 2:
+      return q.codes, q.scales
+    return (q.codes.reshape((self.rows, -1) + q.codes.shape[1:]),
+            q.scales.reshape(self.rows, -1))
+
+  def split(self, x: jax.Array) -> jax.Array:
+    """``x`` (axis 0 the rows) as ``(r, K, ...)``: chunk ``i`` is ``[:, i]``, the rows
+    ``i, i + K, i + 2K, ...``."""
+    r, k = self.plan
+    return x.reshape((r, k) + x.shape[1:])
+
+
+def _strided(moments, g, olds, rows: _Rows) -> list:
+  """:func:`_requantize` over strided chunks of rows (see :class:`_Rows`)."""
+  gs = rows.split(rows.of(g))
+  ins = [tuple(map(rows.split, rows.codes(o))) if _quant.is_qarray(o)
+         else rows.split(rows.of(o)) for o in olds]
+
+  def body(i, outs):
+    take = lambda a: lax.dynamic_index_in_dim(a, i, 1, keepdims=False)  # noqa: E731
+    gc = take(gs)
+    ocs = [_quant.decode_blocks(*map(take, x), o.fmt).reshape(gc.shape) if _quant.is_qarray(o)
+           else take(x).astype(gc.dtype) for o, x in zip(olds, ins)]
+    news = moments(gc, *ocs)
+    return [None if out is None else tuple(
+        lax.dynamic_update_index_in_dim(a, x, i, 1)
+        for a, x in zip(out, _quant.encode_blocks(_blocked(n, o.fmt.block_size), o.fmt)))
+        for out, n, o in zip(outs, news, olds)]
+
+  fresh = [tuple(map(jnp.zeros_like, x)) if _quant.is_qarray(o) else None
+           for o, x in zip(olds, ins)]
+  return _stored(olds, lax.fori_loop(0, rows.plan[1], body, fresh))
+
+
+def _contiguous(moments, g, olds, block: int) -> list:
+  """:func:`_requantize` over contiguous chunks of the flattened leaf, each a whole number
+  of every block, then the tail (the leaf's last elements, short of a chunk), whose last
+  block is padded with zeros as :func:`adamkit._quant.quantize` pads it."""
+  n = g.size
+  size = max(block, CHUNK // block * block)
+  flat_g = g.reshape(-1)
+  ins = [(o.codes.reshape(-1, o.codes.shape[-1]), o.scales.reshape(-1)) if _quant.is_qarray(o)
+         else o.reshape(-1) for o in olds]
+
+  def part(lo, length: int):
+    """The new codes and scales of the elements ``[lo, lo + length)``."""
+    gc = lax.dynamic_slice_in_dim(flat_g, lo, length)
+    ocs = []
+    for o, x in zip(olds, ins):
+      if _quant.is_qarray(o):
+        b = o.fmt.block_size
+        codes, scales = (lax.dynamic_slice_in_dim(a, lo // b, -(-length // b)) for a in x)
+        ocs.append(_quant.decode_blocks(codes, scales, o.fmt).reshape(-1)[:length])
+      else:
+        ocs.append(lax.dynamic_slice_in_dim(x, lo, length).astype(gc.dtype))
+    out = []
+    for nw, o in zip(moments(gc, *ocs), olds):
+      if _quant.is_qarray(o):
+        b = o.fmt.block_size
+        nw = jnp.pad(nw, (0, -length % b)) if length % b else nw
+        out.append(_quant.encode_blocks(nw.reshape(-1, b), o.fmt))
+      else:
+        out.append(None)
+    return out
+
+  def write(outs, lo, news):
+    return [None if out is None else tuple(
+        lax.dynamic_update_slice_in_dim(a, x, lo // o.fmt.block_size, 0) for a, x in zip(out, nw))
+        for out, nw, o in zip(outs, news, olds)]
+
+  outs = [tuple(map(jnp.zeros_like, x)) if _quant.is_qarray(o) else None
+          for o, x in zip(olds, ins)]
+  k = n // size
+  if k:
+    outs = lax.fori_loop(0, k, lambda i, outs: write(outs, i * size, part(i * size, size)), outs)
+  if n - k * size:
+    outs = write(outs, k * size, part(k * size, n - k * size))
+  return _stored(olds, outs)
+
+
+def _stored(olds, outs) -> list:
+  """The loop's codes and scales as the olds' :class:`~adamkit._quant.QuantizedArray`."""
+  return [None if out is None else _quant.QuantizedArray(
+      out[0].reshape(o.codes.shape), out[1].reshape(o.scales.shape), o.shape, o.fmt)
+      for o, out in zip(olds, outs)]
+
+
+def _blocked(x: jax.Array, block: int) -> jax.Array:
+  """A chunk of whole rows in blocks: ``(..., last // block, block)``."""
+  return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+
+
+# --------------------------------------------------------------- init and state checks
+
+
+def zero_moments(params: Any, fmt: Any, role: str) -> Any:
+  """A zero moment per param leaf in ``fmt`` (``None``: the param's dtype; a dtype; a
+  :class:`adamkit.Quantized`: codes and scales placed as the param is where it is a
+  concrete array, float32 for leaves under ``min_size``). Complex leaves refuse a
+  quantized format, naming the leaf."""
+  if not _quant.is_quantized(fmt):
+    return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=fmt), params)
+
+  def zero(path, p):
+    # A Flax NNX variable (nnx.Optimizer's params) gives its value: the moment must be the
+    # QuantizedArray itself, whose codes and scales nnx then keeps as two variables (a
+    # variable holding the whole moment would be updated with a dict of the two).
+    if is_nnx_variable(p):
+      p = p.get_value()
+      if not hasattr(p, "shape"):  # a parameter group's masked leaf (optax.MaskedNode)
+        return p
+    if jnp.iscomplexobj(p):
+      raise TypeError(
+          f"param '{path_name(path) or '<root>'}' is complex ({jnp.asarray(p).dtype}); the "
+          f"quantized moment formats ({fmt.kind!r}) store real values only. Keep complex "
+          "params' moments in a float dtype (mu_dtype/nu_dtype=None) or train them apart "
+          "with optax.partition.")
+    return placed_like(_quant.init_moment(p, fmt, role), p)
+
+  return jax.tree_util.tree_map_with_path(zero, params, is_leaf=is_nnx_variable)
+
+
+def is_nnx_variable(x: Any) -> bool:
+  """A Flax NNX ``Variable`` (duck-typed: adamkit does not import flax)."""
+  return type(x).__module__.startswith("flax.") and hasattr(x, "get_value")
+
+
+def placed_like(m: Any, p: Any) -> Any:
+  """A new quantized moment ``m`` placed as its param ``p`` is, where ``p`` is a concrete,
+  committed array (see :func:`shardings_like`)."""
+  if not _quant.is_qarray(m) or is_tracer(p) or not isinstance(p, jax.Array) or not p.committed:
+    return m
+  return jax.device_put(m, shardings_like(m, p.sharding))
+
+
+def shardings_like(m, sharding: jax.sharding.Sharding, memory_kind: str | None = None):
+  """The shardings of quantized moment ``m``'s codes and scales for a param placed with
+  ``sharding`` (a :class:`~adamkit._quant.QuantizedArray` of shardings, for
+  ``jax.device_put``): over a mesh, codes and scales split as the param's axes when they
+  keep its leading axes (else replicated); on one device, that device. ``memory_kind``:
+  the param's unless given."""
+  kind = memory_kind or sharding.memory_kind
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    if _lead_layout(m):
+      spec = tuple(sharding.spec) + (None,) * (len(m.shape) - len(sharding.spec))
+      specs = (spec + (None,), spec)
+    else:
+      specs = ((None, None), (None,))
+    named = lambda s: jax.sharding.NamedSharding(  # noqa: E731
+        sharding.mesh, jax.sharding.PartitionSpec(*s), memory_kind=kind)
+    return _quant.QuantizedArray(named(specs[0]), named(specs[1]), m.shape, m.fmt)
+  if len(sharding.device_set) == 1:
+    one = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=kind)
+    return _quant.QuantizedArray(one, one, m.shape, m.fmt)
+  raise ValueError(f"Cannot lay out a quantized moment for a param placed with {sharding}: "
+                   "use a NamedSharding.")
+
+
+def check_moments(updates: Any, moments: Any, fmt: Any, role: str, what: str) -> None:
+  """``moments`` (one moment tree of a state) must match the gradient tree and be stored
+  as this optimizer stores them (``fmt``); a ValueError names the leaf, what it holds and
+  what was expected (e.g. a state quantized with another block size)."""
+  from adamkit._sparse_types import is_row_sparse  # noqa: PLC0415 - imports _validate
+
+  u_flat, u_def = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)
+  m_def = jax.tree.structure(moments, is_leaf=_quant.is_qarray)
+  if u_def != m_def:
+    raise ValueError(f"The gradient tree does not match the optimizer state's {what} tree.\n"
+                     f"  gradients: {u_def}\n  {what}: {m_def}")
+  for (path, g), m in zip(u_flat, m_def.flatten_up_to(moments)):
+    name = path_name(path) or "<root>"
+    if np.shape(g) != tuple(m.shape):
+      raise ValueError(f"Gradient '{name}' has shape {np.shape(g)} but the optimizer state's "
+                       f"{what} has shape {tuple(m.shape)}.")
+    want = _quant.resolve(fmt, role) if _quant.is_quantized(fmt) and m.size >= fmt.min_size \
+        else None
+    have = m.fmt if _quant.is_qarray(m) else None
+    if want != have:
+      raise ValueError(
+          f"The optimizer state's {what} of '{name}' is stored as {_describe(have, m)}, but "
+          f"this optimizer stores it as {_describe(want, m)} ({role}_dtype={fmt!r}): a state "
+          "from an optimizer with another moment format. Convert it with "
+          "ak.load_state_dict(ak.state_dict(state), tx.init(params)).")
+
+
+def _describe(fmt, m) -> str:
+  if fmt is None:
+    return "an unquantized array" if not _quant.is_qarray(m) else f"{m.dtype} values"
+  return f"{fmt.kind!r} codes in blocks of {fmt.block_size}"
+
+
+# ------------------------------------------------------------- named float32 views
+
+
+def to_numpy(q, gather=np.asarray) -> np.ndarray:
+  """The float32 values a quantized moment stands for, as NumPy (``gather`` fetches its
+  codes and scales whole, e.g. across processes)."""
+  codes, scales = jnp.asarray(gather(q.codes)), jnp.asarray(gather(q.scales))
+  return np.asarray(_quant.dequantize(_quant.QuantizedArray(codes, scales, q.shape, q.fmt)))
+
+
+def quantized_like(value: Any, like) -> Any:
+  """Float ``value`` (``like``'s shape) stored in ``like``'s format, its codes and scales
+  placed as ``like``'s are (device, sharding, memory kind; under ``jax.distributed`` each
+  process places only its own shards)."""
+  value = np.asarray(value, np.float32)
+  if value.shape != tuple(like.shape):
+    raise ValueError(f"shape {value.shape} does not match the moment's {tuple(like.shape)}")
+  q = _quant.quantize(jnp.asarray(value), like.fmt)
+  return _quant.QuantizedArray(_placed(q.codes, like.codes), _placed(q.scales, like.scales),
+                               q.shape, q.fmt)
+
+
+def _placed(x: jax.Array, like: Any) -> jax.Array:
+  if not isinstance(like, jax.Array) or is_tracer(like):
+    return x
+  if not like.is_fully_addressable:
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, like.sharding, lambda idx: host[idx])
+  return jax.device_put(x, like.sharding) if like.committed else x
