@@ -239,6 +239,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   :func:`adamkit.apply_updates` scatters; rows not in :math:`I` keep their moments
   bit-identical. Non-lazy mode returns a dense update and costs ``O(N)``.
 
+  Args:
     b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
     b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999).
     eps: :math:`\epsilon`, added to the denominator (default 1e-8), finite and at least
