@@ -54,3 +54,30 @@ def kernel(tmp_path_factory):
   assert ak.cpu_kernel_available()
   yield
   mp.undo()
+
+
+# ------------------------------------------------------------------------ the fast tier
+# `python -m pytest -m "not slow"` is the contributors' quick run (a few minutes on 2
+# cores); CI runs everything. Slow, and marked here in one place:
+# - whole files: the sanitizer build of the kernels, the two-process runs;
+# - the notebooks (nbmake runs each in its own kernel);
+# - single long tests: the demo's full run, MathJax in a browser;
+# - the registry products: a suite parametrized over every registry optimizer runs in the
+#   fast tier on FAST_NAMES only (one entry per family: the options-heavy chains, the
+#   sparse, fused, offloaded and master-weights forms), on all of them in the full run.
+SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
+SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer"}
+FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "adamax_wd_groups", "sparse_adam_full",
+              "fused_adam", "offload_sparse_adam_state", "master_weights_adamw"}
+
+
+def pytest_collection_modifyitems(config, items):
+  from registry import REGISTRY
+  assert FAST_NAMES <= set(REGISTRY), FAST_NAMES - set(REGISTRY)
+  for item in items:
+    name = getattr(item, "callspec", None) and item.callspec.params.get("name")
+    slow = (item.path.name in SLOW_FILES or item.path.suffix == ".ipynb"
+            or f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW_TESTS
+            or (isinstance(name, str) and name in REGISTRY and name not in FAST_NAMES))
+    if slow:
+      item.add_marker(pytest.mark.slow)
