@@ -61,14 +61,23 @@ def kernel(tmp_path_factory):
 # cores); CI runs everything. Slow, and marked here in one place:
 # - whole files: the sanitizer build of the kernels, the two-process runs;
 # - the notebooks (nbmake runs each in its own kernel);
-# - single long tests: the demo's full run, MathJax in a browser;
+# - single long tests (SLOW_TESTS): the demo's runs, MathJax in a browser, a repeated docs
+#   run, a fresh interpreter without the kernels, the cross-checks against PyTorch;
 # - the registry products: a suite parametrized over every registry optimizer runs in the
-#   fast tier on FAST_NAMES only (one entry per family: the options-heavy chains, the
-#   sparse, fused, offloaded and master-weights forms), on all of them in the full run.
+#   fast tier on FAST_NAMES only (the options-heavy Adam, AdamW and sparse chains, the
+#   fused step, the offloaded sparse optimizer), on all of them in the full run.
 SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
-SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer"}
-FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "adamax_wd_groups", "sparse_adam_full",
-              "fused_adam", "offload_sparse_adam_state", "master_weights_adamw"}
+SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
+              "test_demo.py::test_demo_subset_and_plain_progress",
+              # the same pages as test_readme.py's test_page_examples_run
+              "test_composition.py::test_docs_examples_run",
+              # a fresh interpreter importing adamkit without its kernels
+              "test_backend.py::test_library_works_without_its_native_backend",
+              # cross-checks against PyTorch (importing torch alone takes seconds)
+              "test_adamw.py::test_amsgrad_matches_torch_adam_and_adamw",
+              "test_sparse.py::test_lazy_matches_torch_sparse_adam"}
+FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "sparse_adam_full", "fused_adam",
+              "offload_sparse_adam_state"}
 
 
 def pytest_collection_modifyitems(config, items):
