@@ -64,8 +64,8 @@ def kernel(tmp_path_factory):
 # - single long tests (SLOW_TESTS): the demo's runs, MathJax in a browser, a repeated docs
 #   run, a fresh interpreter without the kernels, the cross-checks against PyTorch;
 # - the registry products: a suite parametrized over every registry optimizer runs in the
-#   fast tier on FAST_NAMES only (the options-heavy Adam, AdamW and sparse chains, the
-#   fused step, the offloaded sparse optimizer), on all of them in the full run.
+#   fast tier on FAST_NAMES only (the options-heavy Adam, AdamW and sparse chains and the
+#   offloaded sparse optimizer), on all of them in the full run;
 SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
 SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               "test_demo.py::test_demo_subset_and_plain_progress",
@@ -76,17 +76,26 @@ SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               # cross-checks against PyTorch (importing torch alone takes seconds)
               "test_adamw.py::test_amsgrad_matches_torch_adam_and_adamw",
               "test_sparse.py::test_lazy_matches_torch_sparse_adam"}
-FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "sparse_adam_full", "fused_adam",
-              "offload_sparse_adam_state"}
+FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "sparse_adam_full", "offload_sparse_adam_state"}
+# - long case lists of which the fast tier runs the first case only:
+ONE_CASE = {"test_offload_fused.py::test_trajectory_and_placement",
+            "test_checkpoint_orbax.py::test_orbax_resume_is_bit_identical",
+            "test_row_sharded.py::test_sparse_adam_equals_one_device",
+            "test_backend.py::test_fused_step_keeps_mixed_shardings_on_8_devices",
+            "test_sparse.py::test_fused_step_with_row_sparse_leaves_equals_sparse_adam",
+            "test_sparse.py::test_fused_amsgrad_and_adamw_row_sparse_leaves_equal_the_transform"}
 
 
 def pytest_collection_modifyitems(config, items):
   from registry import REGISTRY
   assert FAST_NAMES <= set(REGISTRY), FAST_NAMES - set(REGISTRY)
+  seen = set()
   for item in items:
+    test = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
     name = getattr(item, "callspec", None) and item.callspec.params.get("name")
-    slow = (item.path.name in SLOW_FILES or item.path.suffix == ".ipynb"
-            or f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW_TESTS
-            or (isinstance(name, str) and name in REGISTRY and name not in FAST_NAMES))
+    slow = (item.path.name in SLOW_FILES or item.path.suffix == ".ipynb" or test in SLOW_TESTS
+            or (isinstance(name, str) and name in REGISTRY and name not in FAST_NAMES)
+            or (test in ONE_CASE and test in seen))
+    seen.add(test)
     if slow:
       item.add_marker(pytest.mark.slow)
