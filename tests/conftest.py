@@ -58,14 +58,16 @@ def kernel(tmp_path_factory):
 
 # ------------------------------------------------------------------------ the fast tier
 # `python -m pytest -m "not slow"` is the contributors' quick run (a few minutes on 2
-# cores); CI runs everything. Slow, and marked here in one place:
+# cores); CI runs everything. The marks are set here, in one place:
 # - whole files: the sanitizer build of the kernels, the two-process runs;
 # - the notebooks (nbmake runs each in its own kernel);
 # - single long tests (SLOW_TESTS): the demo's runs, MathJax in a browser, a repeated docs
 #   run, a fresh interpreter without the kernels, the cross-checks against PyTorch;
 # - the registry products: a suite parametrized over every registry optimizer runs in the
 #   fast tier on FAST_NAMES only (the options-heavy Adam, AdamW and sparse chains and the
-#   offloaded sparse optimizer), on all of them in the full run;
+#   offloaded sparse optimizer);
+# - every other parametrized test runs FAST_CASES of its cases, spread over its list
+#   (first, middle, last), except the docs' pages, which all run.
 SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
 SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               "test_demo.py::test_demo_subset_and_plain_progress",
@@ -77,25 +79,29 @@ SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               "test_adamw.py::test_amsgrad_matches_torch_adam_and_adamw",
               "test_sparse.py::test_lazy_matches_torch_sparse_adam"}
 FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "sparse_adam_full", "offload_sparse_adam_state"}
-# - long case lists of which the fast tier runs the first case only:
-ONE_CASE = {"test_offload_fused.py::test_trajectory_and_placement",
-            "test_checkpoint_orbax.py::test_orbax_resume_is_bit_identical",
-            "test_row_sharded.py::test_sparse_adam_equals_one_device",
-            "test_backend.py::test_fused_step_keeps_mixed_shardings_on_8_devices",
-            "test_sparse.py::test_fused_step_with_row_sparse_leaves_equals_sparse_adam",
-            "test_sparse.py::test_fused_amsgrad_and_adamw_row_sparse_leaves_equal_the_transform"}
+FAST_CASES = 3
+EVERY_CASE = {"test_readme.py::test_page_examples_run"}
+
+
+def _spread(n: int, k: int) -> set[int]:
+  """``k`` indices spread over ``range(n)``, first and last included."""
+  return set(range(n)) if n <= k else {round(i * (n - 1) / (k - 1)) for i in range(k)}
 
 
 def pytest_collection_modifyitems(config, items):
   from registry import REGISTRY
   assert FAST_NAMES <= set(REGISTRY), FAST_NAMES - set(REGISTRY)
-  seen = set()
+  cases = {}  # test -> its parametrized items still in the fast tier
   for item in items:
     test = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
     name = getattr(item, "callspec", None) and item.callspec.params.get("name")
-    slow = (item.path.name in SLOW_FILES or item.path.suffix == ".ipynb" or test in SLOW_TESTS
-            or (isinstance(name, str) and name in REGISTRY and name not in FAST_NAMES)
-            or (test in ONE_CASE and test in seen))
-    seen.add(test)
-    if slow:
+    if (item.path.name in SLOW_FILES or item.path.suffix == ".ipynb" or test in SLOW_TESTS
+        or (isinstance(name, str) and name in REGISTRY and name not in FAST_NAMES)):
       item.add_marker(pytest.mark.slow)
+    elif hasattr(item, "callspec") and test not in EVERY_CASE:
+      cases.setdefault(test, []).append(item)
+  for group in cases.values():
+    keep = _spread(len(group), FAST_CASES)
+    for i, item in enumerate(group):
+      if i not in keep:
+        item.add_marker(pytest.mark.slow)

@@ -87,10 +87,8 @@ def assert_close(actual, expected, rtol=2e-6, atol=1e-7):
 
 
 @pytest.mark.parametrize("algo,kw", CASES)
-@pytest.mark.parametrize("backend,multi_tensor",  # the fast tier: each backend, each layout
-                         [("xla", False), ("kernel", True),
-                          pytest.param("xla", True, marks=pytest.mark.slow),
-                          pytest.param("kernel", False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend,multi_tensor",
+                         [("xla", True), ("xla", False), ("kernel", True), ("kernel", False)])
 def test_fused_equals_reference_chain(kernel, algo, kw, backend, multi_tensor):
   kw = dict(kw)
   lr = kw.pop("learning_rate", 0.1)
@@ -335,7 +333,7 @@ def run_update(tx, params, steps=STEPS, jit=False):
 
 
 @pytest.mark.parametrize("algo,kw", CASES)
-@pytest.mark.parametrize("multi_tensor", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("multi_tensor", [True, False])
 def test_update_is_the_named_optimizer_bit_for_bit(algo, kw, multi_tensor):
   """``update`` + ``optax.apply_updates`` is ak.adam's / ak.adamax's trajectory bit for bit
   op by op (eager: both run the same arithmetic), to float32 rounding under ``jit`` (XLA
