@@ -66,8 +66,8 @@ def kernel(tmp_path_factory):
 # - the registry products: a suite parametrized over every registry optimizer runs in the
 #   fast tier on FAST_NAMES only (the options-heavy Adam, AdamW and sparse chains and the
 #   offloaded sparse optimizer);
-# - every other parametrized test runs FAST_CASES of its cases, spread over its list
-#   (first, middle, last), except the docs' pages, which all run.
+# - every other parametrized test runs FAST_CASES of its cases (its first and its last),
+#   except the docs' pages, which all run, and the registry products above.
 SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
 SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               "test_demo.py::test_demo_subset_and_plain_progress",
@@ -79,7 +79,7 @@ SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               "test_adamw.py::test_amsgrad_matches_torch_adam_and_adamw",
               "test_sparse.py::test_lazy_matches_torch_sparse_adam"}
 FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "sparse_adam_full", "offload_sparse_adam_state"}
-FAST_CASES = 3
+FAST_CASES = 2
 EVERY_CASE = {"test_readme.py::test_page_examples_run"}
 
 
@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(config, items):
     if (item.path.name in SLOW_FILES or item.path.suffix == ".ipynb" or test in SLOW_TESTS
         or (isinstance(name, str) and name in REGISTRY and name not in FAST_NAMES)):
       item.add_marker(pytest.mark.slow)
-    elif hasattr(item, "callspec") and test not in EVERY_CASE:
+    elif hasattr(item, "callspec") and test not in EVERY_CASE and name not in FAST_NAMES:
       cases.setdefault(test, []).append(item)
   for group in cases.values():
     keep = _spread(len(group), FAST_CASES)
