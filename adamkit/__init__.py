@@ -88,7 +88,7 @@ from adamkit._sparse import (
 from adamkit._sparse_grad import GatheredRows, lookup, sparse_grad, value_and_sparse_grad
 from adamkit._sparse_types import RowSparse
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # Adam, AdaMax and the chain links

@@ -155,15 +155,19 @@ def multi_steps(tx: optax.GradientTransformation,
     ``ak.multi_steps(ak.offload(ak.sparse_adam(...), mode="state"), k, ...)``.
 
   Examples:
+    >>> from functools import partial
     >>> import jax, jax.numpy as jnp, adamkit as ak
     >>> params = {"emb": jnp.zeros((1_000, 2)), "w": jnp.ones(2)}
     >>> tx = ak.multi_steps(ak.sparse_adam(0.1), 2, ids_per_step={"emb": 2})
     >>> state = tx.init(params)
+    >>> @partial(jax.jit, donate_argnums=(0, 1))  # table, moments, buffer in place
+    ... def step(params, state, grads):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   return ak.apply_updates(params, updates), state
     >>> for ids in ([3, 7], [7, 9]):
     ...   grads = {"emb": ak.RowSparse(jnp.array(ids), jnp.ones((2, 2)), 1_000),
     ...            "w": jnp.ones(2)}
-    ...   updates, state = jax.jit(tx.update)(grads, state, params)
-    ...   params = ak.apply_updates(params, updates)
+    ...   params, state = step(params, state, grads)
     ...   print(bool(tx.has_updated(state)), jnp.flatnonzero(params["emb"][:, 0]))
     False []
     True [3 7 9]

@@ -146,21 +146,31 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     :math:`\beta_2 = 0.999`, :math:`s = 100`, :math:`t = 1000`), so its steps are smaller.
 
   Args:
-    b1: decay of the first moment, in [0, 1).
-    b2: decay of the second moment, in [0, 1).
-    eps: added to the denominator, at least float32's smallest normal number (1.18e-38).
-    eps_mode: ``"hat"`` or ``"corrected"`` (see above).
-    nesterov: use the Nesterov numerator.
-    bias_correction: divide by :math:`1-\beta^t` (default); ``False`` is MindSpore
-      ``nn.AdamWeightDecay``, which has none.
-    amsgrad: use the running maximum of :math:`v_t` in the denominator (Reddi et al.).
-    mu_dtype: storage of the first moment: a float dtype (e.g. ``jnp.bfloat16`` to halve
-      its memory), or a quantized format, :class:`adamkit.Quantized` or its kind alone
-      (``"8bit"``: bitsandbytes'/torchao's block-wise format, about 1 byte per parameter;
-      ``"4bit"``: half a byte; ``"fp8"``); default: the params' dtype. The arithmetic is
-      always float32 or wider.
-    nu_dtype: storage of the second moment (and of AMSGrad's running maximum), likewise
-      (``jnp.bfloat16`` keeps its 8-bit exponent, so :math:`g^2` neither under- nor
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9; MindSpore and
+      Paddle ``beta1``). 0 keeps no memory: :math:`m_t = g_t`.
+    b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999; ``beta2``).
+    eps: :math:`\epsilon`, added to the denominator (default 1e-8; MindSpore ``eps``,
+      Paddle ``epsilon``); finite and at least float32's smallest normal number
+      (1.18e-38), below which the float32 step would flush it to zero.
+    eps_mode: where :math:`\epsilon` enters (default ``"hat"``): ``"hat"`` adds it to
+      :math:`\sqrt{\bar v_t}` before the bias correction (MindSpore ``nn.Adam``,
+      TensorFlow), ``"corrected"`` to :math:`\sqrt{\bar v_t/c_2}` (optax, PyTorch, Paddle);
+      the formulas above.
+    nesterov: use the Nesterov numerator :math:`n_t` (default ``False``; MindSpore
+      ``use_nesterov``, which differs from ``optax.nadam``: see the warning above).
+    bias_correction: divide by :math:`c_1 = 1-\beta_1^t` and :math:`c_2 = 1-\beta_2^t`
+      (default ``True``); ``False`` is MindSpore ``nn.AdamWeightDecay``, which has none.
+    amsgrad: use the running maximum :math:`\bar v_t` of the raw :math:`v_t` in the
+      denominator (default ``False``; Reddi et al.); the state is then
+      :class:`ScaleByAmsgradState`.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
+      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
+      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
+      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
+      byte; ``"fp8"``). The arithmetic is always float32 or wider.
+    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
+      params' dtype), a float dtype or a quantized format, as ``mu_dtype``
+      (``jnp.bfloat16`` keeps float32's 8-bit exponent, so :math:`g^2` neither under- nor
       overflows as it would in float16).
 
   With a quantized format each leaf of at least ``min_size`` elements (default 4096; smaller
@@ -268,23 +278,53 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
   (one step counter, one moment tree over every parameter), as in MindSpore and Paddle.
 
   Args:
-    learning_rate: a number >= 0, a 0-d array, a 1-D array or iterable (step ``i`` uses
-      element ``i``, later steps the last), or a schedule ``count -> lr``.
-    b1, b2, eps, eps_mode, nesterov, amsgrad, mu_dtype, nu_dtype: see
-      :func:`scale_by_adam`. ``amsgrad=True`` is MindSpore ``nn.Adam(use_amsgrad=True)``
-      (``eps_mode="hat"``) and Paddle ``Adam(amsgrad=True)`` (``eps_mode="corrected"``).
-    weight_decay: L2 coefficient (number >= 0 or schedule), or ``ak.L1Decay(c)`` /
-      ``ak.L2Decay(c)``. Coupled: added to the gradient, not decoupled as in AdamW.
+    learning_rate: :math:`\alpha_t` (default 1e-3): a number >= 0, a 0-d array, a 1-D
+      array or iterable (step ``i`` uses element ``i``, later steps the last), or a
+      schedule ``count -> lr``.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9; MindSpore and
+      Paddle ``beta1``).
+    b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999; ``beta2``).
+    eps: :math:`\epsilon`, added to the denominator (default 1e-8; MindSpore ``eps``,
+      Paddle ``epsilon``), finite and at least 1.18e-38 (float32's smallest normal).
+    eps_mode: where :math:`\epsilon` enters (default ``"hat"``, MindSpore ``nn.Adam``:
+      added to :math:`\sqrt{v_t}` before the bias correction); ``"corrected"`` adds it
+      to :math:`\sqrt{\hat v_t}`, the formula of ``optax.adam``, ``torch.optim.Adam`` and
+      Paddle ``Adam``. The two formulas: :func:`scale_by_adam`.
+    nesterov: MindSpore ``use_nesterov`` (default ``False``): the numerator
+      :math:`\beta_1 m_t + (1-\beta_1) g_t`; not ``optax.nadam``'s (see
+      :func:`scale_by_adam`).
+    amsgrad: divide by the running maximum of the raw :math:`v_t` (default ``False``);
+      the state then holds ``nu_max`` (:class:`ScaleByAmsgradState`). MindSpore
+      ``nn.Adam(use_amsgrad=True)`` with ``eps_mode="hat"``, Paddle
+      ``Adam(amsgrad=True)`` and ``torch.optim.Adam(amsgrad=True)`` with
+      ``eps_mode="corrected"``; ``optax.amsgrad`` keeps another maximum.
+    weight_decay: L2 coefficient :math:`\lambda_t` (default 0.0: no decay), a number >= 0
+      or a schedule, or ``ak.L1Decay(c)`` / ``ak.L2Decay(c)`` (Paddle's regularizers).
+      Coupled: added to the gradient before the moments, not decoupled as in
+      :func:`adamw`.
     weight_decay_mask: which leaves decay. Default: every leaf whose path does not
       contain ``"beta"`` or ``"gamma"`` (MindSpore). ``None``: every leaf (Paddle).
       Also a bool pytree, a callable ``params -> bool tree`` (optax's convention) or an
       ``ak.masks`` rule; a predicate on the leaf's dotted name (Paddle's
-      ``apply_decay_param_fun``) is ``ak.masks.name_rule(fn)``.
-    loss_scale: gradients are divided by it first (MindSpore), > 0.
+      ``apply_decay_param_fun``) is ``ak.masks.name_rule(fn)``; ``ak.masks.flax_rule()``
+      skips Flax's norm ``scale`` and every ``bias``.
+    loss_scale: gradients are divided by it first, > 0 (default 1.0; MindSpore
+      ``loss_scale``).
     grad_clip: ``ak.ClipGradByGlobalNorm``/``ClipGradByNorm``/``ClipGradByValue`` or any
-      optax transform; applied after unscaling and before decay (Paddle's order).
-    grad_centralization: centralize leaves with ndim > 1 (also settable per group).
-    groups: a list of :class:`adamkit.Group` or MindSpore/Paddle-style dicts.
+      optax transform (default ``None``: no clipping); applied after unscaling and before
+      decay (Paddle's order).
+    grad_centralization: subtract from each leaf with ndim > 1 its mean over every axis
+      but the first (default ``False``; MindSpore ``grad_centralization``, also settable
+      per group).
+    groups: parameter groups (default ``None``: one group, the arguments above), a list
+      of :class:`adamkit.Group` or MindSpore/Paddle-style dicts; a group's settings
+      replace the arguments for its leaves.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype,
+      e.g. ``jnp.bfloat16`` to halve its memory, or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
+      ``"fp8"``; see :func:`adamkit.scale_by_adam`). The arithmetic is always float32 or wider.
+    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
+      params' dtype), as ``mu_dtype``; ``jnp.bfloat16`` keeps float32's exponent range,
+      float16 may underflow.
     nonfinite: ``"propagate"`` (default; a NaN/Inf gradient reaches the params, as in
       optax and PyTorch) or ``"skip"`` (the whole step is skipped and the state kept,
       via ``optax.apply_if_finite``, as MindSpore's loss-scale overflow handling).

@@ -48,13 +48,19 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     :math:`|g|` is small against :math:`\epsilon`.
 
   Args:
-    b1: decay of the first moment, in [0, 1).
-    b2: decay of the infinity norm, in [0, 1).
-    eps: added to the denominator, at least float32's smallest normal number (1.18e-38).
-    mu_dtype, nu_dtype: storage of the two moments: float dtypes (e.g. ``jnp.bfloat16``)
-      or quantized formats (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``;
-      the infinity norm is stored as a non-negative second moment); default: the params'
-      dtype. The arithmetic is float32 or wider. See :func:`adamkit.scale_by_adam`.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9; MindSpore
+      ``beta1``).
+    b2: decay :math:`\beta_2` of the infinity norm :math:`v`, in [0, 1) (default 0.999;
+      ``beta2``).
+    eps: :math:`\epsilon`, added to :math:`v_t` in the denominator (default 1e-8),
+      finite and at least float32's smallest normal number (1.18e-38).
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
+      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
+      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
+      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
+      byte; ``"fp8"``). The arithmetic is always float32 or wider.
+    nu_dtype: storage of the infinity norm :math:`v` (default: the params' dtype), a float
+      dtype or a quantized format (stored as a non-negative second moment).
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleByAdamaxState`.
@@ -116,6 +122,30 @@ def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
         \mathtt{scale\_by\_adamax}\text{)}
 
   Every keyword means what it means in :func:`adamkit.adam`.
+
+  Args:
+    learning_rate: :math:`\alpha_t` (default 1e-3), every form :func:`adamkit.adam`
+      accepts: a number >= 0, an array of per-step rates or a schedule ``count -> lr``.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
+    b2: decay :math:`\beta_2` of the infinity norm, in [0, 1) (default 0.999).
+    eps: :math:`\epsilon`, added to :math:`v_t` in the denominator (default 1e-8),
+      finite and at least 1.18e-38; MindSpore's placement (see :func:`scale_by_adamax`).
+    weight_decay: L2 coefficient (default 0.0: no decay), a number >= 0 or a schedule, or
+      ``ak.L1Decay(c)`` / ``ak.L2Decay(c)``; added to the gradient (coupled).
+    weight_decay_mask: which leaves decay (default: MindSpore's rule, no ``"beta"`` or
+      ``"gamma"`` in the path; ``None``: every leaf), as in :func:`adamkit.adam`.
+    loss_scale: gradients are divided by it first, > 0 (default 1.0).
+    grad_clip: an ``ak.ClipGrad*`` or any optax transform (default ``None``), applied
+      after unscaling and before decay.
+    grad_centralization: centralize leaves with ndim > 1 (default ``False``).
+    groups: parameter groups (default ``None``), as in :func:`adamkit.adam`.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
+      ``"fp8"``; see :func:`adamkit.scale_by_adam`).
+    nu_dtype: storage of the infinity norm (default: the params' dtype), as ``mu_dtype``.
+    nonfinite: ``"propagate"`` (default) or ``"skip"``, as in :func:`adamkit.adam`.
+
+  Returns:
+    An ``optax.GradientTransformation``.
 
   .. warning::
     The :math:`\epsilon` placement is MindSpore's, not optax's or PyTorch's: see

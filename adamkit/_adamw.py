@@ -65,25 +65,45 @@ def adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
     ``amsgrad`` analogue keeps another maximum (see :func:`scale_by_adam`).
 
   Args:
-    learning_rate: a number >= 0, a 0-d array, a 1-D array or iterable (step ``i`` uses
-      element ``i``, later steps the last), or a schedule ``count -> lr``.
-    b1, b2, eps, eps_mode, bias_correction, amsgrad, mu_dtype, nu_dtype: see
-      :func:`scale_by_adam`.
-    weight_decay: the decoupled coefficient :math:`\lambda`, a number >= 0 or a schedule
-      (MindSpore's dynamic weight decay). Not ``ak.L1Decay`` / ``ak.L2Decay``: those are
-      penalties on the gradient, :func:`adamkit.adam`'s.
+    learning_rate: :math:`\alpha_t` (default 1e-3): a number >= 0, a 0-d array, a 1-D
+      array or iterable (step ``i`` uses element ``i``, later steps the last), or a
+      schedule ``count -> lr``. It multiplies the decay too.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
+    b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999).
+    eps: :math:`\epsilon`, added to the denominator (default 1e-8, as Paddle, PyTorch and
+      optax; MindSpore ``AdamWeightDecay``: 1e-6), finite and at least 1.18e-38.
+    weight_decay: the decoupled coefficient :math:`\lambda_t` (default 0.01, as Paddle
+      and PyTorch), a number >= 0 or a schedule (MindSpore's dynamic weight decay). Not
+      ``ak.L1Decay`` / ``ak.L2Decay``: those are penalties on the gradient,
+      :func:`adamkit.adam`'s.
     weight_decay_mask: which leaves decay. Default: every leaf whose path does not contain
       ``"beta"`` or ``"gamma"`` (MindSpore). ``None``: every leaf (Paddle, PyTorch, optax).
       Also a bool pytree, a callable ``params -> bool tree`` (optax's ``mask``) or an
-      ``ak.masks`` rule, e.g. ``ak.masks.name_rule(apply_decay_param_fun)`` (Paddle).
-    groups: a list of :class:`adamkit.Group` or MindSpore/Paddle-style dicts, with ``lr``
-      (absolute, MindSpore), ``lr_scale`` (Paddle's group ``learning_rate``, which also
-      scales the decay), ``weight_decay``, ``b1``, ``b2``, ``eps``. Paddle's ``lr_ratio``
-      (a per-parameter multiplier, GPU only in Paddle) is a group with ``lr_scale``.
+      ``ak.masks`` rule, e.g. ``ak.masks.name_rule(apply_decay_param_fun)`` (Paddle) or
+      ``ak.masks.flax_rule()`` (Flax names: no decay on norm ``scale`` and ``bias``).
+    bias_correction: divide the moments by :math:`1-\beta^t` (default ``True``, as
+      Paddle, PyTorch and optax); ``False`` is MindSpore ``nn.AdamWeightDecay``.
+    eps_mode: where :math:`\epsilon` enters (default ``"corrected"``: added to
+      :math:`\sqrt{\hat v_t}`, as Paddle, PyTorch and optax); ``"hat"`` adds it before the
+      bias correction (MindSpore). The formulas: :func:`scale_by_adam`.
+    amsgrad: divide by the running maximum of the raw :math:`v_t` (default ``False``;
+      Paddle and PyTorch ``amsgrad``); the state then holds ``nu_max``.
+    groups: parameter groups (default ``None``), a list of :class:`adamkit.Group` or
+      MindSpore/Paddle-style dicts, with ``lr`` (absolute, MindSpore), ``lr_scale``
+      (Paddle's group ``learning_rate``, which also scales the decay), ``weight_decay``,
+      ``b1``, ``b2``, ``eps``. Paddle's ``lr_ratio`` (a per-parameter multiplier, GPU only
+      in Paddle) is a group with ``lr_scale``.
     grad_clip: ``ak.ClipGradByGlobalNorm``/``ClipGradByNorm``/``ClipGradByValue`` or any
-      optax transform; applied after unscaling (Paddle's order).
-    loss_scale: gradients are divided by it first (MindSpore), > 0.
-    nonfinite: ``"propagate"`` (default) or ``"skip"`` (see :func:`adamkit.adam`).
+      optax transform (default ``None``: no clipping); applied after unscaling (Paddle's
+      order).
+    loss_scale: gradients are divided by it first, > 0 (default 1.0; MindSpore).
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype,
+      e.g. ``jnp.bfloat16`` to halve its memory, or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
+      ``"fp8"``; see :func:`adamkit.scale_by_adam`). The arithmetic is always float32 or wider.
+    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
+      params' dtype), as ``mu_dtype``.
+    nonfinite: ``"propagate"`` (default; NaN/Inf gradients reach the params) or
+      ``"skip"`` (the step is skipped, see :func:`adamkit.adam`).
 
   Complex parameters are trained as ``optax.adamw`` trains them (:math:`g^2` is
   :math:`|g|^2`, the decay :math:`\lambda w` keeps its imaginary part). Integer gradients

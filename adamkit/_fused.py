@@ -571,11 +571,28 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     state keeps no learning-rate record: :func:`get_lr` raises on it.
 
   Args:
-    learning_rate: and ``b1``, ``b2``, ``eps``, ``eps_mode``, ``nesterov``, ``amsgrad``,
-      ``weight_decay``, ``weight_decay_mask``, ``mu_dtype``: as in :func:`adamkit.adam`
-      (``weight_decay``: a number or schedule, L2). ``amsgrad=True`` keeps a third buffer,
-      the running maximum of :math:`v_t` (8 more bytes of traffic per float32 parameter),
-      and the state is a :class:`FusedAmsgradState`.
+    learning_rate: :math:`\alpha_t` (default 1e-3): a number >= 0, an array of per-step
+      rates or a schedule, as in :func:`adamkit.adam`.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
+    b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999).
+    eps: :math:`\epsilon`, added to the denominator (default 1e-8), finite and at least
+      1.18e-38.
+    eps_mode: where :math:`\epsilon` enters (default ``"hat"``, MindSpore ``nn.Adam``;
+      ``"corrected"``: optax, PyTorch, Paddle), as in :func:`adamkit.scale_by_adam`.
+    nesterov: MindSpore's ``use_nesterov`` numerator (default ``False``).
+    amsgrad: divide by the running maximum of the raw :math:`v_t` (default ``False``):
+      a third buffer (8 more bytes of traffic per float32 parameter), and the state is a
+      :class:`FusedAmsgradState`.
+    weight_decay: L2 coefficient :math:`\lambda_t` (default 0.0: no decay), a number >= 0
+      or a schedule, added to the gradient (``ak.L1Decay`` / ``ak.L2Decay`` need
+      :func:`adamkit.adam`).
+    weight_decay_mask: which leaves decay (default: MindSpore's rule, no ``"beta"`` or
+      ``"gamma"`` in the path; ``None``: every leaf), as in :func:`adamkit.adam`.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
+      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
+      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
+      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
+      byte; ``"fp8"``). The arithmetic is always float32 or wider.
     nu_dtype: dtype of the second moment (default: the params' dtype). Either moment may
       be quantized, ``ak.Quantized(kind, ...)`` or the kind alone (``"8bit"``, ``"4bit"``,
       ``"fp8"``; AMSGrad's running maximum takes ``nu_dtype``'s format): the step
@@ -587,17 +604,19 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       under ``min_size`` keep float32 moments. A lazy row-sparse leaf does not take
       quantized moments yet (``NotImplementedError``; ``lazy=False`` densifies it).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
-      runs of up to 32 float32 leaves per kernel call (Paddle ``use_multi_tensor``);
-      ``False``: state shaped like the params (and sharded like them), one kernel call per
-      leaf of at least 32K elements (smaller leaves: XLA). Params sharded on a mesh with
-      Explicit axes need ``False``.
-    backend: ``"auto"`` (the kernel, when built, for float32 leaves computed on one CPU
-      device; XLA otherwise, e.g. for params sharded over several devices, whose shardings
-      XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it cannot take or
-      known to span several devices) or ``"xla"`` (pure JAX). The rule: ``docs/backend.md``.
-    lazy: a ``RowSparse`` gradient moves its rows only (default) or is densified.
+      runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
+      ``use_multi_tensor``); ``False``: state shaped like the params (and sharded like
+      them), one kernel call per leaf of at least 32K elements (smaller leaves: XLA).
+      Params sharded on a mesh with Explicit axes need ``False``.
+    backend: ``"auto"`` (default: the kernel, when built, for float32 leaves computed on
+      one CPU device; XLA otherwise, e.g. for params sharded over several devices, whose
+      shardings XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it
+      cannot take or known to span several devices) or ``"xla"`` (pure JAX). The rule:
+      ``docs/backend.md``.
+    lazy: a ``RowSparse`` gradient moves its rows only (default ``True``) or is
+      densified (``False``: every row moves).
     unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
-      merge (as in :func:`sparse_adam`).
+      merge (default ``False``; as in :func:`sparse_adam`).
 
   Returns:
     A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`
@@ -690,10 +709,40 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     ``weight_decay_mask=None`` for Paddle, PyTorch and optax).
 
   Args:
-    learning_rate: and ``b1``, ``b2``, ``eps``, ``weight_decay`` (decoupled, a number or
-      schedule), ``weight_decay_mask``, ``bias_correction``, ``eps_mode``, ``amsgrad``,
-      ``mu_dtype``, ``nu_dtype``: as in :func:`adamkit.adamw`.
-    multi_tensor: and ``backend``, ``lazy``, ``unique_ids``: as in :func:`fused_adam`.
+    learning_rate: :math:`\alpha_t` (default 1e-3), as in :func:`adamkit.adamw`; it
+      multiplies the decay too.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
+    b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999).
+    eps: :math:`\epsilon`, added to the denominator (default 1e-8; MindSpore
+      ``AdamWeightDecay``: 1e-6), finite and at least 1.18e-38.
+    weight_decay: the decoupled coefficient :math:`\lambda_t` (default 0.01, as Paddle and
+      PyTorch), a number >= 0 or a schedule.
+    weight_decay_mask: which leaves decay (default: MindSpore's rule, no ``"beta"`` or
+      ``"gamma"`` in the path; ``None``: every leaf, as Paddle, PyTorch and optax).
+    bias_correction: divide by :math:`1-\beta^t` (default ``True``); ``False`` is
+      MindSpore ``nn.AdamWeightDecay``.
+    eps_mode: where :math:`\epsilon` enters (default ``"corrected"``, Paddle's, PyTorch's
+      and optax's; ``"hat"``: MindSpore's), as in :func:`adamkit.scale_by_adam`.
+    amsgrad: divide by the running maximum of the raw :math:`v_t` (default ``False``);
+      the state is then a :class:`FusedAmsgradState`.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
+      ``"fp8"``; see :func:`adamkit.scale_by_adam`).
+    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
+      params' dtype), as ``mu_dtype``.
+    multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
+      runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
+      ``use_multi_tensor``); ``False``: state shaped like the params (and sharded like
+      them), one kernel call per leaf of at least 32K elements (smaller leaves: XLA).
+      Params sharded on a mesh with Explicit axes need ``False``.
+    backend: ``"auto"`` (default: the kernel, when built, for float32 leaves computed on
+      one CPU device; XLA otherwise, e.g. for params sharded over several devices, whose
+      shardings XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it
+      cannot take or known to span several devices) or ``"xla"`` (pure JAX). The rule:
+      ``docs/backend.md``.
+    lazy: a ``RowSparse`` gradient moves its rows only (default ``True``) or is
+      densified (``False``: every row moves).
+    unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
+      merge (default ``False``; as in :func:`sparse_adam`).
 
   Returns:
     A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`
@@ -747,6 +796,32 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
   .. warning::
     The :math:`\epsilon` placement differs from optax's and PyTorch's AdaMax (see
     :func:`scale_by_adamax`).
+
+  Args:
+    learning_rate: :math:`\alpha_t` (default 1e-3), as in :func:`adamkit.adam`.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
+    b2: decay :math:`\beta_2` of the infinity norm, in [0, 1) (default 0.999).
+    eps: :math:`\epsilon`, added to :math:`v_t` (default 1e-8), finite and at least
+      1.18e-38.
+    weight_decay: L2 coefficient (default 0.0: no decay), a number >= 0 or a schedule.
+    weight_decay_mask: which leaves decay (default: MindSpore's rule; ``None``: every
+      leaf), as in :func:`adamkit.adam`.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
+      ``"fp8"``; see :func:`adamkit.scale_by_adam`).
+    nu_dtype: storage of the infinity norm (default: the params' dtype), as ``mu_dtype``.
+    multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
+      runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
+      ``use_multi_tensor``); ``False``: state shaped like the params (and sharded like
+      them), one kernel call per leaf of at least 32K elements (smaller leaves: XLA).
+      Params sharded on a mesh with Explicit axes need ``False``.
+    backend: ``"auto"`` (default: the kernel, when built, for float32 leaves computed on
+      one CPU device; XLA otherwise, e.g. for params sharded over several devices, whose
+      shardings XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it
+      cannot take or known to span several devices) or ``"xla"`` (pure JAX). The rule:
+      ``docs/backend.md``.
+
+  Returns:
+    A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamaxState`.
 
   Examples:
     >>> import jax.numpy as jnp, adamkit as ak

@@ -276,7 +276,7 @@ def offload_state(state: Any, params: Any, *, shardings: Any = None,
   Examples:
     >>> import numpy as np, jax, jax.numpy as jnp, adamkit as ak
     >>> tx = ak.adam_offload(1e-3)
-    >>> params = {"w": jnp.ones(3)}
+    >>> params = jax.device_put({"w": jnp.ones(3)}, jax.devices()[0])  # committed
     >>> saved = jax.tree.map(np.asarray, tx.init(params))
     >>> state = ak.offload_state(saved, params)
     >>> {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim}  # the moments
@@ -657,11 +657,12 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
     them only if the traced update actually reads them.
 
   Examples:
+    >>> from functools import partial
     >>> import jax, jax.numpy as jnp, optax, adamkit as ak
     >>> tx = ak.offload(ak.adam(0.1))
     >>> params = jax.device_put({"w": jnp.array([1.0, -2.0])}, jax.devices()[0])
     >>> state = tx.init(params)
-    >>> @jax.jit
+    >>> @partial(jax.jit, donate_argnums=(0, 1))  # params and state updated in place
     ... def step(params, state):
     ...   grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params)
     ...   updates, state = tx.update(grads, state, params)
@@ -767,9 +768,10 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
     MindSpore's ``use_locking`` has no counterpart (JAX updates are functional).
 
   Examples:
-    >>> import jax.numpy as jnp, optax, adamkit as ak
+    >>> import jax, jax.numpy as jnp, optax, adamkit as ak
     >>> tx = ak.adam_offload(0.1, weight_decay=0.0)
-    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> # committed to a device first, as ak.UncommittedParamsWarning asks
+    >>> params = jax.device_put({"w": jnp.array([1.0, -2.0])}, jax.devices()[0])
     >>> updates, state = tx.update({"w": jnp.array([2.0, -4.0])}, tx.init(params), params)
     >>> optax.apply_updates(params, updates)["w"].round(4)  # first step: w - lr * sign(g)
     Array([ 0.9, -1.9], dtype=float32)

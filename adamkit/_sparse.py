@@ -283,20 +283,41 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   gradient into the update).
 
   Args:
-    b1, b2, eps, eps_mode, nesterov, amsgrad, bias_correction, mu_dtype, nu_dtype: see
-      :func:`adamkit.scale_by_adam` (a float ``nu_dtype``, or the params' dtype by
-      default; AMSGrad's running maximum is stored as ``nu``).
-    lazy: update only the touched rows (MindSpore ``FusedSparseLazyAdam``, Paddle
-      ``lazy_mode=True``, ``torch.optim.SparseAdam``) or every row (``FusedSparseAdam``).
-    unique_ids: the caller guarantees that no id repeats (MindSpore ``unique=False``):
-      skip the merge. With repeated ids the lazy result is then unspecified (one of the
-      duplicates wins, or each is applied in turn), though never outside the repeated rows.
-    backend: where the lazy row step runs: ``"auto"`` (the C++ kernel for float32 tables
-      and int32 ids computed on one CPU device, when built; XLA otherwise, e.g. for a table
-      sharded over several devices), ``"kernel"`` (error if not built) or ``"xla"``. The two
-      agree to float32 rounding: the kernel computes the formula as written, XLA may
-      contract a multiply and an add into one FMA. The kernel has no differentiation rule:
-      use ``"xla"`` to differentiate through the step.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
+    b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999).
+    eps: :math:`\epsilon`, added to the denominator (default 1e-8), finite and at least
+      1.18e-38 (float32's smallest normal).
+    lazy: update only the touched rows (default ``True``; MindSpore
+      ``FusedSparseLazyAdam``, Paddle ``lazy_mode=True``, ``torch.optim.SparseAdam``) or
+      every row, with a zero gradient on absent rows (``False``; ``FusedSparseAdam``).
+    eps_mode: where :math:`\epsilon` enters (default ``"hat"``, MindSpore's: before the
+      bias correction; ``"corrected"``: optax's, PyTorch's), as in
+      :func:`adamkit.scale_by_adam`.
+    nesterov: MindSpore's ``use_nesterov`` numerator (default ``False``), as in
+      :func:`adamkit.scale_by_adam`.
+    amsgrad: divide by the running maximum of the raw :math:`v` (default ``False``); in
+      lazy mode it moves on the touched rows only. The state is then
+      :class:`adamkit.ScaleByAmsgradState`.
+    bias_correction: divide by :math:`1-\beta^t` (default ``True``), :math:`t` the global
+      step; ``False``: no correction (MindSpore ``AdamWeightDecay``).
+    unique_ids: the caller guarantees that no id repeats (default ``False``; MindSpore
+      ``unique=False``): skip the merge. With repeated ids the lazy result is then
+      unspecified (one of the duplicates wins, or each is applied in turn), though never
+      outside the repeated rows.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
+      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
+      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
+      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
+      byte; ``"fp8"``). The arithmetic is always float32 or wider.
+    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
+      params' dtype), as ``mu_dtype``. A quantized format keeps a table's blocks within its
+      rows, so the lazy step reads and writes only the touched rows' codes and scales.
+    backend: where the lazy row step runs: ``"auto"`` (default: the C++ kernel for float32
+      tables and int32 ids computed on one CPU device, when built; XLA otherwise, e.g. for
+      a table sharded over several devices), ``"kernel"`` (error if not built) or
+      ``"xla"``. The two agree to float32 rounding: the kernel computes the formula as
+      written, XLA may contract a multiply and an add into one FMA. The kernel has no
+      differentiation rule: use ``"xla"`` to differentiate through the step.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`ScaleBySparseAdamState`, or
@@ -409,29 +430,46 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
   in place when the params and state are donated to ``jax.jit``.
 
   Args:
-    learning_rate: every form :func:`adamkit.adam` accepts.
-    b1, b2, eps, eps_mode, nesterov, amsgrad, mu_dtype, nu_dtype: see
-      :func:`adamkit.scale_by_adam` (lazy AMSGrad: the running maximum moves on the
-      touched rows only). A quantized format (``"8bit"``, ``"4bit"``, ``"fp8"``,
-      :class:`adamkit.Quantized`) keeps a table's blocks within its rows, so the lazy step
-      reads and writes the touched rows' codes and scales only: see
-      :func:`scale_by_sparse_adam`.
-    lazy: only touched rows change (default; MindSpore ``FusedSparseLazyAdam``) or all
-      rows move as in dense Adam with a zero gradient on absent rows (``FusedSparseAdam``).
-    weight_decay: L2 coefficient or schedule, or ``ak.L1Decay``/``ak.L2Decay``. On a sparse
-      leaf only the touched rows decay.
-    weight_decay_mask: which leaves decay, as in :func:`adamkit.adam`.
-    loss_scale: gradients are divided by it first, > 0.
-    grad_clip: ``ak.ClipGradByGlobalNorm``, ``ak.ClipGradByNorm`` or ``ak.ClipGradByValue``.
-      A ``RowSparse`` leaf is clipped as its dense equivalent: its norm is that of the
-      table gradient with duplicate ids summed, and value clipping merges duplicates first.
-    groups: parameter groups, as in :func:`adamkit.adam` (``grad_centralization`` is
-      refused for a sparse optimizer).
-    unique_ids: skip merging duplicate ids (the caller guarantees there are none).
-    nonfinite: ``"propagate"`` or ``"skip"``, as in :func:`adamkit.adam`.
-    backend: ``"auto"``, ``"kernel"`` or ``"xla"``, see :func:`scale_by_sparse_adam`; pass
-      the same to :func:`adamkit.apply_updates`. For the fastest step (the table updated in
-      the same pass as its moments) see :func:`adamkit.fused_adam`.
+    learning_rate: :math:`\alpha_t` (default 1e-3), every form :func:`adamkit.adam`
+      accepts.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
+    b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999).
+    eps: :math:`\epsilon`, added to the denominator (default 1e-8), finite and at least
+      1.18e-38.
+    lazy: only touched rows change (default ``True``; MindSpore ``FusedSparseLazyAdam``)
+      or all rows move as in dense Adam with a zero gradient on absent rows (``False``;
+      ``FusedSparseAdam``, ``O(N)`` per step).
+    eps_mode: where :math:`\epsilon` enters (default ``"hat"``, MindSpore's;
+      ``"corrected"``: optax's and PyTorch's), as in :func:`adamkit.scale_by_adam`.
+    nesterov: MindSpore's ``use_nesterov`` numerator (default ``False``).
+    amsgrad: divide by the running maximum of the raw :math:`v` (default ``False``); lazy
+      AMSGrad moves the maximum on the touched rows only.
+    weight_decay: L2 coefficient (default 0.0: no decay), a number >= 0 or a schedule, or
+      ``ak.L1Decay``/``ak.L2Decay``. On a sparse leaf only the touched rows decay.
+    weight_decay_mask: which leaves decay (default: MindSpore's rule, no ``"beta"`` or
+      ``"gamma"`` in the path; ``None``: every leaf), as in :func:`adamkit.adam`.
+    loss_scale: gradients are divided by it first, > 0 (default 1.0).
+    grad_clip: ``ak.ClipGradByGlobalNorm``, ``ak.ClipGradByNorm`` or ``ak.ClipGradByValue``
+      (default ``None``). A ``RowSparse`` leaf is clipped as its dense equivalent: its
+      norm is that of the table gradient with duplicate ids summed, and value clipping
+      merges duplicates first.
+    groups: parameter groups (default ``None``), as in :func:`adamkit.adam`
+      (``grad_centralization`` is refused for a sparse optimizer).
+    unique_ids: skip merging duplicate ids (default ``False``; the caller guarantees
+      there are none).
+    nonfinite: ``"propagate"`` (default) or ``"skip"``, as in :func:`adamkit.adam`.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
+      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
+      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
+      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
+      byte; ``"fp8"``). The arithmetic is always float32 or wider.
+    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
+      params' dtype), as ``mu_dtype``. A quantized format keeps a table's blocks within its
+      rows, so the lazy step reads and writes only the touched rows' codes and scales.
+    backend: ``"auto"`` (default), ``"kernel"`` or ``"xla"``, see
+      :func:`scale_by_sparse_adam`; pass the same to :func:`adamkit.apply_updates`. For
+      the fastest step (the table updated in the same pass as its moments) see
+      :func:`adamkit.fused_adam`.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -532,17 +570,38 @@ def sparse_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
     decays, :math:`O(N)`).
 
   Args:
-    learning_rate: every form :func:`adamkit.adam` accepts.
-    b1, b2, eps, bias_correction, eps_mode, amsgrad, mu_dtype, nu_dtype: see
-      :func:`adamkit.scale_by_adam` (defaults as :func:`adamkit.adamw`); quantized formats
-      as in :func:`sparse_adam`.
-    lazy: only the touched rows move and decay (default), or every row (dense AdamW).
-    weight_decay: the decoupled coefficient :math:`\lambda`, a number >= 0 or a schedule.
-    weight_decay_mask: which leaves decay, as in :func:`adamkit.adamw`.
-    loss_scale: gradients are divided by it first, > 0.
-    unique_ids: skip merging duplicate ids (the caller guarantees there are none).
-    nonfinite: ``"propagate"`` or ``"skip"``, as in :func:`adamkit.adam`.
-    backend: ``"auto"``, ``"kernel"`` or ``"xla"``, see :func:`scale_by_sparse_adam`.
+    learning_rate: :math:`\alpha_t` (default 1e-3), every form :func:`adamkit.adam`
+      accepts; it multiplies the decay too.
+    b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
+    b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999).
+    eps: :math:`\epsilon`, added to the denominator (default 1e-8), finite and at least
+      1.18e-38.
+    lazy: only the touched rows move and decay (default ``True``), or every row
+      (``False``: dense AdamW on the densified gradient, ``O(N)`` per step).
+    weight_decay: the decoupled coefficient :math:`\lambda_t` (default 0.01, as
+      :func:`adamkit.adamw`), a number >= 0 or a schedule.
+    weight_decay_mask: which leaves decay (default: MindSpore's rule, no ``"beta"`` or
+      ``"gamma"`` in the path; ``None``: every leaf), as in :func:`adamkit.adamw`.
+    bias_correction: divide by :math:`1-\beta^t` (default ``True``); ``False`` is
+      MindSpore ``AdamWeightDecay``'s uncorrected step.
+    eps_mode: where :math:`\epsilon` enters (default ``"corrected"``, as
+      :func:`adamkit.adamw`; ``"hat"``: MindSpore's), see :func:`adamkit.scale_by_adam`.
+    amsgrad: divide by the running maximum of the raw :math:`v` (default ``False``), moved
+      on the touched rows only in lazy mode.
+    loss_scale: gradients are divided by it first, > 0 (default 1.0).
+    unique_ids: skip merging duplicate ids (default ``False``; the caller guarantees
+      there are none).
+    nonfinite: ``"propagate"`` (default) or ``"skip"``, as in :func:`adamkit.adam`.
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
+      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
+      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
+      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
+      byte; ``"fp8"``). The arithmetic is always float32 or wider.
+    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
+      params' dtype), as ``mu_dtype``. A quantized format keeps a table's blocks within its
+      rows, so the lazy step reads and writes only the touched rows' codes and scales.
+    backend: ``"auto"`` (default), ``"kernel"`` or ``"xla"``, see
+      :func:`scale_by_sparse_adam`.
 
   Returns:
     An ``optax.GradientTransformation``.

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from functools import partial
 
 ROWS, DIM, HIDDEN, BATCH, STEPS = 1024, 16, 32, 32, 20
 
@@ -60,7 +61,7 @@ def worker(process_id: int, port: int, ckpt_dir: str) -> None:
   tx = ak.sparse_adam(0.01)
   grad_fn = ak.value_and_sparse_grad(loss)
 
-  @jax.jit
+  @partial(jax.jit, donate_argnums=(0, 1))  # each process's shards updated in place
   def step(params, state, ids, y):
     value, grads = grad_fn(params, {"emb": ids}, ids, y)  # RowSparse gradient for the table
     updates, state = tx.update(grads, state, params)

@@ -54,3 +54,54 @@ def kernel(tmp_path_factory):
   assert ak.cpu_kernel_available()
   yield
   mp.undo()
+
+
+# ------------------------------------------------------------------------ the fast tier
+# `python -m pytest -m "not slow"` is the contributors' quick run (a few minutes on 2
+# cores); CI runs everything. The marks are set here, in one place:
+# - whole files: the sanitizer build of the kernels, the two-process runs;
+# - the notebooks (nbmake runs each in its own kernel);
+# - single long tests (SLOW_TESTS): the demo's runs, MathJax in a browser, a repeated docs
+#   run, a fresh interpreter without the kernels, the cross-checks against PyTorch;
+# - the registry products: a suite parametrized over every registry optimizer runs in the
+#   fast tier on FAST_NAMES only (the options-heavy Adam, AdamW and sparse chains and the
+#   offloaded sparse optimizer);
+# - every other parametrized test runs FAST_CASES of its cases (its first and its last),
+#   except the docs' pages, which all run, and the registry products above.
+SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
+SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
+              "test_demo.py::test_demo_subset_and_plain_progress",
+              # the same pages as test_readme.py's test_page_examples_run
+              "test_composition.py::test_docs_examples_run",
+              # a fresh interpreter importing adamkit without its kernels
+              "test_backend.py::test_library_works_without_its_native_backend",
+              # cross-checks against PyTorch (importing torch alone takes seconds)
+              "test_adamw.py::test_amsgrad_matches_torch_adam_and_adamw",
+              "test_sparse.py::test_lazy_matches_torch_sparse_adam"}
+FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "sparse_adam_full", "offload_sparse_adam_state"}
+FAST_CASES = 2
+EVERY_CASE = {"test_readme.py::test_page_examples_run"}
+
+
+def _spread(n: int, k: int) -> set[int]:
+  """``k`` indices spread over ``range(n)``, first and last included."""
+  return set(range(n)) if n <= k else {round(i * (n - 1) / (k - 1)) for i in range(k)}
+
+
+def pytest_collection_modifyitems(config, items):
+  from registry import REGISTRY
+  assert FAST_NAMES <= set(REGISTRY), FAST_NAMES - set(REGISTRY)
+  cases = {}  # test -> its parametrized items still in the fast tier
+  for item in items:
+    test = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+    name = getattr(item, "callspec", None) and item.callspec.params.get("name")
+    if (item.path.name in SLOW_FILES or item.path.suffix == ".ipynb" or test in SLOW_TESTS
+        or (isinstance(name, str) and name in REGISTRY and name not in FAST_NAMES)):
+      item.add_marker(pytest.mark.slow)
+    elif hasattr(item, "callspec") and test not in EVERY_CASE and name not in FAST_NAMES:
+      cases.setdefault(test, []).append(item)
+  for group in cases.values():
+    keep = _spread(len(group), FAST_CASES)
+    for i, item in enumerate(group):
+      if i not in keep:
+        item.add_marker(pytest.mark.slow)

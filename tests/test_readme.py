@@ -14,6 +14,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PAGES = [p for p in PAGES if "_build" not in p.parts and "api" not in p.relative_to(ROOT).parts[1:2]]
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
+# Examples are copied: they follow their own advice, so a warning (UncommittedParamsWarning,
+# JAX's unusable donation...) fails the page.
+pytestmark = [pytest.mark.filterwarnings("error::UserWarning"),
+              pytest.mark.filterwarnings("error::RuntimeWarning")]
 
 
 def python_blocks(text: str) -> list[str]:
