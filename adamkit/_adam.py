@@ -320,8 +320,9 @@ def adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       of :class:`adamkit.Group` or MindSpore/Paddle-style dicts; a group's settings
       replace the arguments for its leaves.
     mu_dtype: storage of the first moment (default: the params' dtype): a float dtype,
-      e.g. ``jnp.bfloat16`` to halve its memory, or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
-      ``"fp8"``; see :func:`adamkit.scale_by_adam`). The arithmetic is always float32 or wider.
+      e.g. ``jnp.bfloat16`` to halve its memory, or a quantized format
+      (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``; see
+      :func:`adamkit.scale_by_adam`). The arithmetic is always float32 or wider.
     nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
       params' dtype), as ``mu_dtype``; ``jnp.bfloat16`` keeps float32's exponent range,
       float16 may underflow.

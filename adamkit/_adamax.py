@@ -139,8 +139,9 @@ def adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.9,
       after unscaling and before decay.
     grad_centralization: centralize leaves with ndim > 1 (default ``False``).
     groups: parameter groups (default ``None``), as in :func:`adamkit.adam`.
-    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
-      ``"fp8"``; see :func:`adamkit.scale_by_adam`).
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or
+      a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``;
+      see :func:`adamkit.scale_by_adam`).
     nu_dtype: storage of the infinity norm (default: the params' dtype), as ``mu_dtype``.
     nonfinite: ``"propagate"`` (default) or ``"skip"``, as in :func:`adamkit.adam`.
 

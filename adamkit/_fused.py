@@ -725,8 +725,9 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
       and optax's; ``"hat"``: MindSpore's), as in :func:`adamkit.scale_by_adam`.
     amsgrad: divide by the running maximum of the raw :math:`v_t` (default ``False``);
       the state is then a :class:`FusedAmsgradState`.
-    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
-      ``"fp8"``; see :func:`adamkit.scale_by_adam`).
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or
+      a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``;
+      see :func:`adamkit.scale_by_adam`).
     nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
       params' dtype), as ``mu_dtype``.
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
@@ -806,8 +807,9 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
     weight_decay: L2 coefficient (default 0.0: no decay), a number >= 0 or a schedule.
     weight_decay_mask: which leaves decay (default: MindSpore's rule; ``None``: every
       leaf), as in :func:`adamkit.adam`.
-    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``,
-      ``"fp8"``; see :func:`adamkit.scale_by_adam`).
+    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype or
+      a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``;
+      see :func:`adamkit.scale_by_adam`).
     nu_dtype: storage of the infinity norm (default: the params' dtype), as ``mu_dtype``.
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
