@@ -152,6 +152,11 @@ OPTIMIZERS: dict[str, Entry] = {
                                            "update, to float32 rounding")),
     "optax_adamw": Entry("optax.adamw (wd 1e-4)", lambda lr: optax.adamw(lr, weight_decay=1e-4),
                          strict_promotion_ok=False),
+    # 8-bit moments (bitsandbytes'/torchao's format): a quarter of the state's memory
+    "adamw_8bit": Entry("ak.adamw 8-bit moments", lambda lr: ak.adamw(
+        lr, weight_decay=1e-4, mu_dtype="8bit", nu_dtype="8bit")),
+    "sparse_adam_8bit": Entry("ak.sparse_adam 8-bit", lambda lr: ak.sparse_adam(
+        lr, mu_dtype="8bit", nu_dtype="8bit"), sparse=True),
 }
 
 
