@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from registry import NAMES, NO_LR_RECORD, REGISTRY, SPARSE, SPARSE_MULTISTEPS
+from registry import NAMES, NO_LR_RECORD, QUANTIZED, REGISTRY, SPARSE, SPARSE_MULTISTEPS
 from test_suite import assert_trees_close, make_grads, make_params
 
 import adamkit as ak
@@ -461,7 +461,9 @@ def test_dense_only_optimizers_refuse_row_sparse():
   params = _sparse_params()
   for name in sorted(set(NAMES) - set(SPARSE)):
     tx = REGISTRY[name](LR)
-    with pytest.raises(TypeError, match="RowSparse"):
+    # the fused steps with quantized moments: their lazy row step is not written yet
+    refusal = NotImplementedError if name in QUANTIZED and "fused" in name else TypeError
+    with pytest.raises(refusal, match="RowSparse"):
       tx.update(_sparse_grads(0), tx.init(params), params)
 
 
