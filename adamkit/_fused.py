@@ -19,6 +19,10 @@ AdamW (:func:`fused_adamw`) adds its decoupled decay to the direction in the sam
 AMSGrad (``amsgrad=True``) keeps a third buffer, the running maximum of the second moment,
 laid out as the second moment (36 bytes per float32 parameter instead of 28).
 
+With ``param_rounding=`` bf16/fp16 params keep no float32 master copy: each is stepped in
+float32 and written back rounded in the same pass (:mod:`adamkit._rounding`'s rules; the
+kernel takes bf16 params), over the state of ``ak.param_rounding`` around the fused step.
+
 A :class:`FusedStep` is also a ``GradientTransformation`` over the same state: its
 ``update`` computes ``-lr * u`` with the XLA operations of :mod:`adamkit._ops` (the
 kernel writes params, not updates), for chains, ``nnx.Optimizer`` and master weights.
@@ -45,8 +49,7 @@ import numpy as np
 import optax
 from jax.experimental.shard_alike import shard_alike
 
-from adamkit import (_adam, _backend, _links, _masks, _ops, _quant, _rounding, _schedules,
-                     _validate)
+from adamkit import _adam, _backend, _links, _masks, _ops, _quant, _rounding, _schedules, _validate
 from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
 from adamkit._tree import leaf_names, place_scalars_like, replicated_like
 
@@ -698,10 +701,31 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     lazy: a ``RowSparse`` gradient moves its rows only (default) or is densified.
     unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
       merge (as in :func:`sparse_adam`).
+    param_rounding: bf16/fp16 params without a float32 master copy: ``"nearest"``,
+      ``"stochastic"`` or ``"kahan"``, the rule of :func:`adamkit.param_rounding` applied
+      in the step's own pass. Each low-precision leaf is stepped in float32 (float32
+      moments, unless quantized) and written back rounded: ``step`` writes what
+      ``optax.apply_updates`` writes from ``ak.param_rounding(ak.fused_adam(...),
+      method).update``, bit for bit on XLA; the C++ kernel reads and writes bf16 params
+      (and Kahan buffers) itself, rounding as XLA does (for fp16 params, quantized moments
+      and row-sparse tables: XLA). The state and ``update`` are the wrapper's
+      (:class:`KahanState`, :class:`StochasticRoundingState`, :class:`NearestRoundingState`
+      around this step's own). float32 leaves pass straight through. ``None`` (default):
+      low-precision params are stepped in their own dtype, moments too.
+    seed: with ``param_rounding="stochastic"``: an int (``seed=s`` is the key
+      ``jax.random.key(s)``, the default 0), a JAX key or a raw ``uint32[2]`` key; an
+      error with any other ``param_rounding``.
 
   Returns:
     A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`
-    (with ``amsgrad``: :class:`FusedAmsgradState`).
+    (with ``amsgrad``: :class:`FusedAmsgradState`; with ``param_rounding``: the
+    wrapper's, around it).
+
+  Raises:
+    ValueError: an unknown ``param_rounding``, a ``seed`` without
+      ``param_rounding="stochastic"`` or outside ``[0, 2**64)``.
+    TypeError: a ``seed`` that is not an int or a key; at ``step``, a state of another
+      ``param_rounding`` or of none.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, adamkit as ak
@@ -795,7 +819,8 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     learning_rate: and ``b1``, ``b2``, ``eps``, ``weight_decay`` (decoupled, a number or
       schedule), ``weight_decay_mask``, ``bias_correction``, ``eps_mode``, ``amsgrad``,
       ``mu_dtype``, ``nu_dtype``: as in :func:`adamkit.adamw`.
-    multi_tensor: and ``backend``, ``lazy``, ``unique_ids``: as in :func:`fused_adam`.
+    multi_tensor: and ``backend``, ``lazy``, ``unique_ids``, ``param_rounding``, ``seed``:
+      as in :func:`fused_adam`.
 
   Returns:
     A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`
@@ -842,8 +867,9 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
     v_t &= \max(\beta_2 v_{t-1}, |g|) \\
     w &\leftarrow w - \frac{\alpha_t}{1-\beta_1^t}\,\frac{m_t}{v_t + \epsilon}
 
-  Every argument means what it means in :func:`fused_adam`; the numbers are
-  :func:`adamkit.adamax`'s (MindSpore's :math:`\epsilon` placement).
+  Every argument means what it means in :func:`fused_adam` (``param_rounding`` and
+  ``seed`` included); the numbers are :func:`adamkit.adamax`'s (MindSpore's
+  :math:`\epsilon` placement).
 
   Also an ``optax.GradientTransformation`` (``update``, :func:`adamax`'s numbers; see
   :func:`fused_adam`).

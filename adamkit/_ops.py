@@ -22,6 +22,11 @@ new value quantized; the kernel does both per block in its one pass ("8bit" only
 
 A table's own moment may also be stored quantized (blocks within rows): the lazy row
 step then reads and writes the touched rows' codes and scales, always in XLA.
+
+The rounded steps (:func:`rounded_dense_step`, :func:`rounded_lazy_row_step`) take bf16 or
+fp16 params, compute in float32 and write them back rounded by a :class:`Rounding`
+(``param_rounding`` of the fused steps, :mod:`adamkit._rounding`'s rules); the kernel
+takes bf16 params over float32 moments.
 """
 
 from __future__ import annotations

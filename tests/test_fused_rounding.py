@@ -236,6 +236,22 @@ def test_bad_arguments_and_states():
     kahan.step(params, bad, grads=g)
 
 
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_state_dict_names_the_kahan_buffer_by_param(multi_tensor):
+  params = {"fc": {"weight": jnp.ones((3, 2), jnp.bfloat16)}, "bias": jnp.zeros(2)}
+  g = jax.tree.map(lambda p: jnp.full_like(p, 0.3), params)
+  for tx in (ak.fused_adamw(1e-3, param_rounding="kahan", multi_tensor=multi_tensor),
+             ak.param_rounding(ak.adamw(1e-3), "kahan")):
+    _, state = tx.update(g, tx.init(params), params)
+    flat = ak.state_dict(state, params)
+    assert flat["fc.weight.compensation"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(flat["fc.weight.compensation"],
+                                  np.asarray(state.compensation["fc"]["weight"]))
+    assert "bias.compensation" not in flat and "fc.weight.moment1" in flat
+    assert not any(k.startswith("state.compensation") for k in flat)
+    assert_same_bits(ak.load_state_dict(flat, tx.init(params)), state)
+
+
 # ------------------------------------------------------------------ the C++ kernel
 
 

@@ -11,6 +11,8 @@
 // its moments read and written once, rows prefetched ahead; and the row scatter-add.
 // Quantized (AdamkitCpuStepQuantized): the dense step with 8-bit block-wise moments
 // (adamkit/_quant.py), decoded, stepped and re-encoded per block in one pass.
+// Rounded (AdamkitCpuStepRounded): the dense step on bfloat16 params without a float32
+// master copy, rounded to nearest, stochastically or Kahan-compensated in the same pass.
 // The arithmetic mirrors adamkit's reference formulas operation by operation, without FMA
 // contraction (the scalars, including reciprocals XLA would form, are computed by the
 // caller in JAX).

@@ -10,7 +10,8 @@ nine float32 :func:`scalars`; the optimizer state is a tuple of buffers
 (:func:`state_buffers` of them: first and second moment, and AMSGrad's running maximum of
 the second moment). Bias correction off (MindSpore ``AdamWeightDecay``) is ``bc1 = bc2 =
 1`` in the scalars, not a variant. In :func:`dense_step_quantized` a state buffer may be
-:class:`Codes`: 8-bit codes and per-block scales, with the format's code book.
+:class:`Codes`: 8-bit codes and per-block scales, with the format's code book. In
+:func:`dense_step_rounded` the params (and Kahan buffers) are bfloat16, rounded in the pass.
 """
 
 from __future__ import annotations
