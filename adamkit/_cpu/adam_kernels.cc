@@ -364,12 +364,13 @@ inline float FromBf16(uint16_t b) {
 }
 
 // float32 -> bfloat16, round to nearest, ties to even (as XLA's convert and
-// lax.reduce_precision); NaN stays a quiet NaN of its sign.
+// lax.reduce_precision); NaN stays a quiet NaN of its sign. Branch-free, so loops vectorize.
 inline uint16_t ToBf16(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  const uint32_t nearest = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t nan = (bits >> 16) | 0x0040u;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest);
 }
 
 inline float RoundBf16(float x) { return FromBf16(ToBf16(x)); }
@@ -434,60 +435,111 @@ struct RoundedLeaf {
   int64_t rest;         // elements per index along axis 0 (the counter's second word)
 };
 
-// Elements [lo, hi) of one leaf: the step, then the rounding; the param written is what
-// optax.apply_updates writes from ak.param_rounding's update d = new - w (w + RN(d),
-// rounded), and the Kahan buffer holds what that dropped of the float32 sum.
+// Element i of one leaf, at counter (c0, c1): the step, then the rounding; the param
+// written is what optax.apply_updates writes from ak.param_rounding's update d = new - w
+// (w + RN(d), rounded), and the Kahan buffer holds what that dropped of the float32 sum.
 template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
           typename G>
-void RoundedChunk(const RoundedLeaf& l, const Scalars& k, int64_t lo, int64_t hi) {
-  const G* g = static_cast<const G*>(l.g);
-  uint32_t c0 = static_cast<uint32_t>(lo / l.rest), c1 = static_cast<uint32_t>(lo % l.rest);
-  for (int64_t i = lo; i < hi; ++i) {
-    float gi;
-    if constexpr (std::is_same_v<G, float>) {
-      gi = g[i];
-    } else {
-      gi = FromBf16(g[i]);
+inline __attribute__((always_inline)) void RoundedElement(
+    uint16_t* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v,
+    float* __restrict vmax, uint16_t* __restrict comp, uint32_t k0, uint32_t k1,
+    const Scalars& k, int64_t i, uint32_t c0, uint32_t c1) {
+  float gi;
+  if constexpr (std::is_same_v<G, float>) {
+    gi = g[i];
+  } else {
+    gi = FromBf16(g[i]);
+  }
+  const float w = FromBf16(p[i]);
+  float none = 0.0f;
+  const float step = StepOf<kind, nesterov, decay, amsgrad>(k, gi, w, m[i], v[i],
+                                                            amsgrad ? vmax[i] : none);
+  float s, fresh;
+  if constexpr (rounding == kKahan) {
+    s = w + (step + FromBf16(comp[i]));
+    fresh = RoundBf16(s);
+  } else if constexpr (rounding == kStochastic) {
+    s = w + step;
+    fresh = FromBf16(StochasticBf16(s, Threefry2x32(k0, k1, c0, c1)));
+  } else {
+    s = w + step;
+    fresh = RoundBf16(s);
+  }
+  const float written = RoundBf16(w + RoundBf16(fresh - w));
+  p[i] = ToBf16(written);
+  if constexpr (rounding == kKahan) comp[i] = ToBf16(s - written);
+}
+
+// Elements [lo, hi) of one leaf. Stochastic rounding's counter is (index along axis 0,
+// index within the other axes): row by row, so each inner loop has a fixed c0 and
+// consecutive c1 (a 1-D leaf: c0 = i, c1 = 0), and vectorizes.
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+inline __attribute__((always_inline)) void RoundedBody(const RoundedLeaf& l, const Scalars& k,
+                                                       int64_t lo, int64_t hi) {
+  uint16_t* __restrict p = l.p;
+  const G* __restrict g = static_cast<const G*>(l.g);
+  float* __restrict m = l.m;
+  float* __restrict v = l.v;
+  float* __restrict vmax = l.vmax;
+  uint16_t* __restrict comp = l.comp;
+  const uint32_t k0 = l.k0, k1 = l.k1;
+  if (rounding != kStochastic || l.rest == 1) {
+    for (int64_t i = lo; i < hi; ++i) {
+      RoundedElement<kind, nesterov, decay, amsgrad, rounding, G>(
+          p, g, m, v, vmax, comp, k0, k1, k, i, static_cast<uint32_t>(i), 0u);
     }
-    const float w = FromBf16(l.p[i]);
-    float none = 0.0f;
-    const float step = StepOf<kind, nesterov, decay, amsgrad>(k, gi, w, l.m[i], l.v[i],
-                                                              amsgrad ? l.vmax[i] : none);
-    float s, fresh;
-    if constexpr (rounding == kKahan) {
-      s = w + (step + FromBf16(l.comp[i]));
-      fresh = RoundBf16(s);
-    } else if constexpr (rounding == kStochastic) {
-      s = w + step;
-      fresh = FromBf16(StochasticBf16(s, Threefry2x32(l.k0, l.k1, c0, c1)));
-      if (static_cast<int64_t>(++c1) == l.rest) {
-        c1 = 0;
-        ++c0;
-      }
-    } else {
-      s = w + step;
-      fresh = RoundBf16(s);
+    return;
+  }
+  for (int64_t i = lo; i < hi;) {
+    const int64_t row = i / l.rest, first = row * l.rest, end = std::min(hi, first + l.rest);
+    for (int64_t j = i; j < end; ++j) {
+      RoundedElement<kind, nesterov, decay, amsgrad, rounding, G>(
+          p, g, m, v, vmax, comp, k0, k1, k, j, static_cast<uint32_t>(row),
+          static_cast<uint32_t>(j - first));
     }
-    const float written = RoundBf16(w + RoundBf16(fresh - w));
-    l.p[i] = ToBf16(written);
-    if constexpr (rounding == kKahan) l.comp[i] = ToBf16(s - written);
+    i = end;
   }
 }
 
+// Compiled for the baseline and, on x86-64, for AVX2 (chosen at run time), as Chunk.
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+void RoundedChunk(const RoundedLeaf& l, const Scalars& k, int64_t lo, int64_t hi) {
+  RoundedBody<kind, nesterov, decay, amsgrad, rounding, G>(l, k, lo, hi);
+}
+
+#ifdef ADAMKIT_AVX2
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+__attribute__((target("avx2"))) void RoundedChunkAvx2(const RoundedLeaf& l, const Scalars& k,
+                                                      int64_t lo, int64_t hi) {
+  RoundedBody<kind, nesterov, decay, amsgrad, rounding, G>(l, k, lo, hi);
+}
+#endif
+
 using RoundedFn = void (*)(const RoundedLeaf&, const Scalars&, int64_t, int64_t);
+
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+RoundedFn RoundedInstance() {
+#ifdef ADAMKIT_AVX2
+  if (HasAvx2()) return RoundedChunkAvx2<kind, nesterov, decay, amsgrad, rounding, G>;
+#endif
+  return RoundedChunk<kind, nesterov, decay, amsgrad, rounding, G>;
+}
+
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding>
+RoundedFn PickGrads(bool g_f32) {
+  return g_f32 ? RoundedInstance<kind, nesterov, decay, amsgrad, rounding, float>()
+               : RoundedInstance<kind, nesterov, decay, amsgrad, rounding, uint16_t>();
+}
 
 template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad>
 RoundedFn PickRounding(int64_t rounding, bool g_f32) {
-  if (rounding == kStochastic) {
-    return g_f32 ? RoundedChunk<kind, nesterov, decay, amsgrad, kStochastic, float>
-                 : RoundedChunk<kind, nesterov, decay, amsgrad, kStochastic, uint16_t>;
-  }
-  if (rounding == kKahan) {
-    return g_f32 ? RoundedChunk<kind, nesterov, decay, amsgrad, kKahan, float>
-                 : RoundedChunk<kind, nesterov, decay, amsgrad, kKahan, uint16_t>;
-  }
-  return g_f32 ? RoundedChunk<kind, nesterov, decay, amsgrad, kNearest, float>
-               : RoundedChunk<kind, nesterov, decay, amsgrad, kNearest, uint16_t>;
+  if (rounding == kStochastic) return PickGrads<kind, nesterov, decay, amsgrad, kStochastic>(g_f32);
+  if (rounding == kKahan) return PickGrads<kind, nesterov, decay, amsgrad, kKahan>(g_f32);
+  return PickGrads<kind, nesterov, decay, amsgrad, kNearest>(g_f32);
 }
 
 // The variant's loop (the handler checks the variant first, as Pick's callers do).
