@@ -349,7 +349,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
            unique_ids=False, amsgrad=False, bias_correction=True, decoupled=False,
            param_rounding=None, seed=None) -> FusedStep:
   """The fused step of ``algo`` ("adam" or "adamax"); ``decoupled``: AdamW's decay;
-  ``param_rounding``: see :func:`_rounded`."""
+  ``param_rounding``, ``seed``: see :func:`fused_adam`."""
   if param_rounding is not None or seed is not None:
     _check_rounding_args(param_rounding, seed)
   _adam.check_adam_hyper(b1, b2, eps)
