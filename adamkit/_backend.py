@@ -11,8 +11,9 @@ The rule (``backend`` is the user's argument):
 2. ``"kernel"`` when the library is not built: ``RuntimeError``. ``"auto"`` without it: XLA.
 3. Arrays the kernel cannot take (not float32, ids wider than int32, a table of more than
    ``2**31 - 1`` rows, moments at different offsets; quantized moments in another format
-   than "8bit", of two block sizes, or for an operation other than the dense step): XLA,
-   even when forced.
+   than "8bit", of two block sizes, or for an operation other than the dense step;
+   low-precision params other than bfloat16, or bfloat16 params outside the dense step
+   with ``param_rounding`` over float32 moments): XLA, even when forced.
 4. Arrays spread over several devices, or on a device that is not a CPU: XLA, even when
    forced. The kernel has no sharding rule; XLA would gather a sharded array onto one
    device and return it replicated, silently. XLA's own step keeps every sharding.
@@ -112,11 +113,16 @@ def _takes(a: Any, quantized: bool) -> bool:
 
 
 def use_kernel(backend: str, *arrays, ids=None, num_rows: int | None = None,
-               fits: bool = True, big_enough: bool = True, quantized: bool = False) -> bool:
+               fits: bool = True, big_enough: bool = True, quantized: bool = False,
+               narrow: tuple = ()) -> bool:
   """:func:`decide` for one operation on ``arrays`` (and, for row ops, ``ids`` of a
   ``num_rows``-row table); ``fits``: the caller's own layout condition; ``quantized``: the
-  operation's kernel takes "8bit" quantized moments (others never do)."""
-  fits = fits and all(_takes(a, quantized) for a in arrays)
+  operation's kernel takes "8bit" quantized moments (others never do); ``narrow``: more
+  arrays of the operation that its kernel takes in bfloat16 or float32 (the rounded dense
+  step's params, gradients and Kahan buffers; the caller checks which must be which)."""
+  fits = fits and all(_takes(a, quantized) for a in arrays) and all(
+      getattr(a, "dtype", None) in (jnp.bfloat16, jnp.float32) for a in narrow)
+  arrays = (*arrays, *narrow)
   if ids is not None:
     fits = fits and _kernel_ids(ids) and num_rows <= np.iinfo(np.int32).max
   arrays = [x for a in arrays for x in ((a.codes, a.scales) if _quant.is_qarray(a) else (a,))]

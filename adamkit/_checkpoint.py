@@ -22,6 +22,19 @@ _MOMENT_STATES = (ScaleByAdamState, ScaleByAmsgradState, ScaleByAdamaxState,
                   ScaleBySparseAdamState, FusedAdamState, FusedAmsgradState)
 # Per-parameter fields of a moment state and their names in a state dict.
 MOMENT_FIELDS = (("mu", "moment1"), ("nu", "moment2"), ("nu_max", "moment2_max"))
+# The Kahan buffer of ak.param_rounding(..., "kahan") (and the fused steps' param_rounding),
+# per low-precision parameter: "<param>.compensation".
+COMPENSATION = "compensation"
+
+
+def _compensated_param(path) -> str | None:
+  """The parameter a leaf of a ``KahanState.compensation`` tree belongs to, or ``None``
+  for a leaf of any other state (the field is named only there)."""
+  for i in range(len(path) - 1, -1, -1):
+    key = path[i]
+    if isinstance(key, jax.tree_util.GetAttrKey) and key.name == COMPENSATION:
+      return path_name(path[i + 1:]) or "param"
+  return None
 
 
 def is_moment_state(x) -> bool:
@@ -55,7 +68,9 @@ def _named_leaves(state: Any) -> list[tuple[str, int, Any, Any]]:
 
   for path, node in nodes:
     if not is_moment_state(node):
-      add("state." + (path_name(path) or "root"), node)
+      param = _compensated_param(path)
+      add("state." + (path_name(path) or "root") if param is None else f"{param}.{COMPENSATION}",
+          node)
       index += 1
       continue
     group = _group_of(path)
@@ -117,7 +132,9 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   stands for, so a state dict moves between quantized and float optimizers (exact resume
   of a quantized state goes through orbax, which saves its codes and scales);
   the step count is ``"step"`` (parameter groups share it; ``"<label>.step"`` for each
-  adamkit optimizer inside an ``optax.partition`` of several). Every other
+  adamkit optimizer inside an ``optax.partition`` of several); the Kahan buffer of
+  ``ak.param_rounding(..., "kahan")`` (or a fused step's ``param_rounding="kahan"``) is
+  ``"<param>.compensation"``, in the param's dtype. Every other
   state leaf (schedule counters, ...) is kept under ``"state.<path>"`` so that
   :func:`load_state_dict` restores the whole state exactly.
 
@@ -156,7 +173,7 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
   if params is not None:
     shapes = {path_name(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     for name, arr in out.items():
-      if name.endswith((".moment1", ".moment2", ".moment2_max")):
+      if name.endswith((".moment1", ".moment2", ".moment2_max", f".{COMPENSATION}")):
         pname = name.rsplit(".", 1)[0]
         if pname in shapes and shapes[pname] != arr.shape:
           raise ValueError(f"state_dict: '{name}' has shape {arr.shape}, param has {shapes[pname]}.")

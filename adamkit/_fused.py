@@ -19,6 +19,10 @@ AdamW (:func:`fused_adamw`) adds its decoupled decay to the direction in the sam
 AMSGrad (``amsgrad=True``) keeps a third buffer, the running maximum of the second moment,
 laid out as the second moment (36 bytes per float32 parameter instead of 28).
 
+With ``param_rounding=`` bf16/fp16 params keep no float32 master copy: each is stepped in
+float32 and written back rounded in the same pass (:mod:`adamkit._rounding`'s rules; the
+kernel takes bf16 params), over the state of ``ak.param_rounding`` around the fused step.
+
 A :class:`FusedStep` is also a ``GradientTransformation`` over the same state: its
 ``update`` computes ``-lr * u`` with the XLA operations of :mod:`adamkit._ops` (the
 kernel writes params, not updates), for chains, ``nnx.Optimizer`` and master weights.
@@ -45,7 +49,7 @@ import numpy as np
 import optax
 from jax.experimental.shard_alike import shard_alike
 
-from adamkit import _adam, _backend, _links, _masks, _ops, _quant, _schedules, _validate
+from adamkit import _adam, _backend, _links, _masks, _ops, _quant, _rounding, _schedules, _validate
 from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
 from adamkit._tree import leaf_names, place_scalars_like, replicated_like
 
@@ -342,9 +346,12 @@ def _is_rs(x) -> bool:
 
 def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_decay,
            weight_decay_mask, mu_dtype, nu_dtype, multi_tensor, backend, lazy=True,
-           unique_ids=False, amsgrad=False, bias_correction=True,
-           decoupled=False) -> FusedStep:
-  """The fused step of ``algo`` ("adam" or "adamax"); ``decoupled``: AdamW's decay."""
+           unique_ids=False, amsgrad=False, bias_correction=True, decoupled=False,
+           param_rounding=None, seed=None) -> FusedStep:
+  """The fused step of ``algo`` ("adam" or "adamax"); ``decoupled``: AdamW's decay;
+  ``param_rounding``, ``seed``: see :func:`fused_adam`."""
+  if param_rounding is not None or seed is not None:
+    _check_rounding_args(param_rounding, seed)
   _adam.check_adam_hyper(b1, b2, eps)
   _validate.check_choice("eps_mode", eps_mode, ("hat", "corrected"))
   for name, flag in (("nesterov", nesterov), ("multi_tensor", multi_tensor), ("lazy", lazy),
@@ -361,8 +368,12 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
   kind = "adamax" if algo == "adamax" else eps_mode
   state_cls = (FusedAmsgradState if amsgrad else
                FusedAdamaxState if algo == "adamax" else FusedAdamState)
-  mu_of = lambda p: _storage(p, mu_fmt, "mu")
-  nu_of = lambda p: _storage(p, nu_fmt, "nu")
+  # With param_rounding the moments of bf16/fp16 params are built on their float32 view,
+  # as ak.param_rounding builds its inner state.
+  view = (lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.float32) if _rounding.is_low(p) else p
+          ) if param_rounding is not None else (lambda p: p)
+  mu_of = lambda p: _storage(view(p), mu_fmt, "mu")
+  nu_of = lambda p: _storage(view(p), nu_fmt, "nu")
 
   def init_fn(params):
     _validate.check_float_params(params)
@@ -495,35 +506,127 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     return jax.tree.structure(params).unflatten(out), finish(params, state, count, bufs)
 
   def step_fn(params, state, grads):
+    rounding = None
+    if param_rounding is not None:  # the state is ak.param_rounding's around the fused one
+      _rounding.check_state(param_rounding, state, "A fused step with param_rounding={!r}")
+      rounding, state = _StepRounding.of(param_rounding, state, params), state.inner
     hyper, wd, count, bufs = start(params, state, grads)
     grads = _validate.float_grads(grads, params)
-    new_params = []
+    if rounding is not None:
+      grads = rounding.widen_rows(params, grads)
+    new_params, new_comps = [], []
     # The step, in the order of its equations: this step's scalars (learning rate, decay,
-    # bias corrections), then each run of leaves: decay, moments, direction, new params.
+    # bias corrections), then each run of leaves: decay, moments, direction, new params
+    # (rounded, for the low-precision leaves of a step with param_rounding).
     for run in _runs(leaf_records(params, grads, wd)):
-      first = run[0]
-      keys, at = _slots(first, len(bufs))
+      keys, at = _slots(run[0], len(bufs))
       moments = tuple(b[k] for b, k in zip(bufs, keys))
-      if isinstance(first.g, RowSparse):
-        p, moments = _ops.lazy_row_step(hyper, first.p, first.g, moments, at=at,
-                                        merge=not unique_ids, decay=first.decay,
-                                        backend=backend)
-        ps = [p]
-      else:
-        at = None
-        if first.m_at is not None:
-          m_at, v_at = [x.m_at for x in run], [x.v_at for x in run]
-          at = (m_at, v_at, v_at)[:len(bufs)]
-        ps, moments = _ops.dense_step(hyper, [x.p for x in run], [x.g for x in run], moments,
-                                      at=at, decay=first.decay, backend=backend)
+      r = rounding.of_run(len(new_params), run) if rounding is not None else None
+      ps, moments, cs = _run_step(hyper, run, moments, at, r, merge=not unique_ids,
+                                  backend=backend)
       for b, k, x in zip(bufs, keys, moments):
         b[k] = x
       new_params += ps
+      new_comps += cs
 
     new_params = _keep_shardings(new_params, jax.tree.leaves(params), multi_tensor)
-    return jax.tree.structure(params).unflatten(new_params), finish(params, state, count, bufs)
+    state = finish(params, state, count, bufs)
+    if rounding is not None:
+      state = rounding.finish(state, new_comps)
+    return jax.tree.structure(params).unflatten(new_params), state
 
-  return FusedStep(init_fn, step_fn, update_fn)
+  if param_rounding is None:
+    return FusedStep(init_fn, step_fn, update_fn)
+  # init and update (the optax form) are ak.param_rounding's around the fused transform:
+  # the same state, and the same numbers as the one-pass step.
+  wrapped = _rounding.param_rounding(FusedStep(init_fn, step_fn, update_fn), param_rounding,
+                                     seed=0 if seed is None else seed)
+  return FusedStep(wrapped.init, step_fn, wrapped.update)
+
+
+def _run_step(hyper: _ops.Hyper, run: list[_Leaf], moments: tuple, at: tuple,
+              r: _ops.Rounding | None, *, merge: bool, backend: str):
+  """One run of leaves stepped (rounded by ``r`` when given): ``(params, moments,
+  comps)``, ``comps`` the new Kahan buffers (``None`` per leaf without)."""
+  first = run[0]
+  if isinstance(first.g, RowSparse):
+    if r is None:
+      p, moments = _ops.lazy_row_step(hyper, first.p, first.g, moments, at=at, merge=merge,
+                                      decay=first.decay, backend=backend)
+      return [p], moments, [None]
+    p, moments, comps = _ops.rounded_lazy_row_step(hyper, r, first.p, first.g, moments, at=at,
+                                                   merge=merge, decay=first.decay,
+                                                   backend=backend)
+    return [p], moments, list(comps) or [None]
+  at = None
+  if first.m_at is not None:
+    m_at, v_at = [x.m_at for x in run], [x.v_at for x in run]
+    at = (m_at, v_at, v_at)[:len(moments)]
+  ps, gs = [x.p for x in run], [x.g for x in run]
+  if r is None:
+    ps, moments = _ops.dense_step(hyper, ps, gs, moments, at=at, decay=first.decay,
+                                  backend=backend)
+    return ps, moments, [None] * len(run)
+  ps, moments, comps = _ops.rounded_dense_step(hyper, r, ps, gs, moments, at=at,
+                                               decay=first.decay, backend=backend)
+  return ps, moments, list(comps) or [None] * len(run)
+
+
+class _StepRounding(NamedTuple):
+  """The rounding of one fused step with ``param_rounding``: the method, its state
+  (:mod:`adamkit._rounding`'s) and the params' leaves."""
+  method: str
+  state: Any  # NearestRoundingState, StochasticRoundingState or KahanState
+  low: list[bool]  # per leaf: bf16/fp16 (rounded) or wider (stepped as without rounding)
+  comps: list  # per leaf: its Kahan buffer (None for a wider leaf, or another method)
+  treedef: Any
+
+  @classmethod
+  def of(cls, method: str, state, params) -> _StepRounding:
+    leaves, treedef = jax.tree.flatten(params)
+    comps = (treedef.flatten_up_to(state.compensation) if method == "kahan"
+             else [None] * len(leaves))
+    return cls(method, state, [_rounding.is_low(p) for p in leaves], comps, treedef)
+
+  def widen_rows(self, params, grads):
+    """A row-sparse gradient of a low-precision leaf in float32, as ``ak.param_rounding``'s
+    inner transform sees it (an L2 decay is added to its rows in float32); dense ones are
+    widened in the step's own pass."""
+    flat = self.treedef.flatten_up_to(grads)
+    return self.treedef.unflatten([
+        g.with_values(g.values.astype(jnp.float32)) if _is_rs(g) and lo else g
+        for g, lo in zip(flat, self.low)])
+
+  def of_run(self, start: int, run: list) -> _ops.Rounding | None:
+    """The rounding of leaves ``start, start + 1, ...`` (``None`` for wider leaves): the
+    key of each leaf (its index in the tree) at this step, or its Kahan buffer."""
+    if not self.low[start]:
+      return None
+    leaves = range(start, start + len(run))
+    keys = (tuple(_rounding.leaf_key(self.state.key, self.state.step, i) for i in leaves)
+            if self.method == "stochastic" else ())
+    comps = tuple(self.comps[i] for i in leaves) if self.method == "kahan" else ()
+    return _ops.Rounding(self.method, keys, comps)
+
+  def finish(self, inner, comps: list):
+    """The new rounding state around the fused step's new ``inner`` state."""
+    if self.method == "kahan":
+      return self.state._replace(compensation=self.treedef.unflatten(comps), inner=inner)
+    if self.method == "stochastic":
+      return self.state._replace(step=optax.safe_int32_increment(self.state.step), inner=inner)
+    return self.state._replace(inner=inner)
+
+
+def _check_rounding_args(param_rounding, seed) -> None:
+  """``param_rounding`` a method of :func:`adamkit.param_rounding`; ``seed`` only with
+  ``"stochastic"`` (its type is checked where the key is made)."""
+  if param_rounding is None:
+    raise ValueError("`seed` selects the random bits of param_rounding='stochastic'; this "
+                     "fused step has no param_rounding.")
+  _validate.check_choice("param_rounding", param_rounding, _rounding.METHODS)
+  if seed is not None and param_rounding != "stochastic":
+    raise ValueError(f"`seed` selects the random bits of param_rounding='stochastic'; "
+                     f"param_rounding={param_rounding!r} draws none.")
 
 
 @_validate.foreign_keywords
@@ -532,8 +635,8 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
                nesterov: bool = False, amsgrad: bool = False, weight_decay: Any = 0.0,
                weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
                mu_dtype: Any = None, nu_dtype: Any = None, multi_tensor: bool = True,
-               backend: str = "auto", lazy: bool = True,
-               unique_ids: bool = False) -> FusedStep:
+               backend: str = "auto", lazy: bool = True, unique_ids: bool = False,
+               param_rounding: str | None = None, seed: Any = None) -> FusedStep:
   r"""Adam as one fused step that returns the new params (the fast path of :func:`adam`
   and, for row-sparse gradients, of :func:`sparse_adam`).
 
@@ -617,10 +720,31 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       densified (``False``: every row moves).
     unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
       merge (default ``False``; as in :func:`sparse_adam`).
+    param_rounding: bf16/fp16 params without a float32 master copy: ``"nearest"``,
+      ``"stochastic"`` or ``"kahan"``, the rule of :func:`adamkit.param_rounding` applied
+      in the step's own pass. Each low-precision leaf is stepped in float32 (float32
+      moments, unless quantized) and written back rounded: ``step`` writes what
+      ``optax.apply_updates`` writes from ``ak.param_rounding(ak.fused_adam(...),
+      method).update``, bit for bit on XLA; the C++ kernel reads and writes bf16 params
+      (and Kahan buffers) itself, rounding as XLA does (for fp16 params, quantized moments
+      and row-sparse tables: XLA). The state and ``update`` are the wrapper's
+      (:class:`KahanState`, :class:`StochasticRoundingState`, :class:`NearestRoundingState`
+      around this step's own). float32 leaves pass straight through. ``None`` (default):
+      low-precision params are stepped in their own dtype, moments too.
+    seed: with ``param_rounding="stochastic"``: an int (``seed=s`` is the key
+      ``jax.random.key(s)``, the default 0), a JAX key or a raw ``uint32[2]`` key; an
+      error with any other ``param_rounding``.
 
   Returns:
     A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`
-    (with ``amsgrad``: :class:`FusedAmsgradState`).
+    (with ``amsgrad``: :class:`FusedAmsgradState`; with ``param_rounding``: the
+    wrapper's, around it).
+
+  Raises:
+    ValueError: an unknown ``param_rounding``, a ``seed`` without
+      ``param_rounding="stochastic"`` or outside ``[0, 2**64)``.
+    TypeError: a ``seed`` that is not an int or a key; at ``step``, a state of another
+      ``param_rounding`` or of none.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, adamkit as ak
@@ -662,7 +786,8 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
   return _fused("adam", learning_rate, b1, b2, eps, eps_mode=eps_mode, nesterov=nesterov,
                 weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                 mu_dtype=mu_dtype, nu_dtype=nu_dtype, multi_tensor=multi_tensor,
-                backend=backend, lazy=lazy, unique_ids=unique_ids, amsgrad=amsgrad)
+                backend=backend, lazy=lazy, unique_ids=unique_ids, amsgrad=amsgrad,
+                param_rounding=param_rounding, seed=seed)
 
 
 @_validate.foreign_keywords
@@ -672,7 +797,8 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
                 bias_correction: bool = True, eps_mode: str = "corrected",
                 amsgrad: bool = False, mu_dtype: Any = None, nu_dtype: Any = None,
                 multi_tensor: bool = True, backend: str = "auto", lazy: bool = True,
-                unique_ids: bool = False) -> FusedStep:
+                unique_ids: bool = False, param_rounding: str | None = None,
+                seed: Any = None) -> FusedStep:
   r"""AdamW (decoupled weight decay) as one fused step that returns the new params (the
   fast path of :func:`adamw`).
 
@@ -744,6 +870,8 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
       densified (``False``: every row moves).
     unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
       merge (default ``False``; as in :func:`sparse_adam`).
+    param_rounding: bf16/fp16 params without a float32 master copy (default ``None``), and
+      ``seed``: as in :func:`fused_adam`.
 
   Returns:
     A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamState`
@@ -770,7 +898,8 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
                 weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                 mu_dtype=mu_dtype, nu_dtype=nu_dtype, multi_tensor=multi_tensor,
                 backend=backend, lazy=lazy, unique_ids=unique_ids, amsgrad=amsgrad,
-                bias_correction=bias_correction, decoupled=True)
+                bias_correction=bias_correction, decoupled=True,
+                param_rounding=param_rounding, seed=seed)
 
 
 @_validate.foreign_keywords
@@ -778,7 +907,8 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
                  b2: float = 0.999, eps: float = 1e-8, *, weight_decay: Any = 0.0,
                  weight_decay_mask: _masks.MaskSpec = _masks.MINDSPORE_DEFAULT,
                  mu_dtype: Any = None, nu_dtype: Any = None, multi_tensor: bool = True,
-                 backend: str = "auto") -> FusedStep:
+                 backend: str = "auto", param_rounding: str | None = None,
+                 seed: Any = None) -> FusedStep:
   r"""AdaMax as one fused step that returns the new params (the fast path of :func:`adamax`).
 
   .. math::
@@ -788,8 +918,9 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
     v_t &= \max(\beta_2 v_{t-1}, |g|) \\
     w &\leftarrow w - \frac{\alpha_t}{1-\beta_1^t}\,\frac{m_t}{v_t + \epsilon}
 
-  Every argument means what it means in :func:`fused_adam`; the numbers are
-  :func:`adamkit.adamax`'s (MindSpore's :math:`\epsilon` placement).
+  Every argument means what it means in :func:`fused_adam` (``param_rounding`` and
+  ``seed`` included); the numbers are :func:`adamkit.adamax`'s (MindSpore's
+  :math:`\epsilon` placement).
 
   Also an ``optax.GradientTransformation`` (``update``, :func:`adamax`'s numbers; see
   :func:`fused_adam`).
@@ -836,4 +967,4 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
   return _fused("adamax", learning_rate, b1, b2, eps, eps_mode="hat", nesterov=False,
                 weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                 mu_dtype=mu_dtype, nu_dtype=nu_dtype, multi_tensor=multi_tensor,
-                backend=backend)
+                backend=backend, param_rounding=param_rounding, seed=seed)

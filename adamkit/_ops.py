@@ -22,6 +22,11 @@ new value quantized; the kernel does both per block in its one pass ("8bit" only
 
 A table's own moment may also be stored quantized (blocks within rows): the lazy row
 step then reads and writes the touched rows' codes and scales, always in XLA.
+
+The rounded steps (:func:`rounded_dense_step`, :func:`rounded_lazy_row_step`) take bf16 or
+fp16 params, compute in float32 and write them back rounded by a :class:`Rounding`
+(``param_rounding`` of the fused steps, :mod:`adamkit._rounding`'s rules); the kernel
+takes bf16 params over float32 moments.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from adamkit import _backend, _quant, _row_sharded
+from adamkit import _backend, _quant, _rounding, _row_sharded
 from adamkit._adam import adam_direction, amsgrad_direction
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
@@ -193,6 +198,80 @@ def dense_update(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Arra
   params, grads, state = list(params), list(grads), _check_state(h, state)
   offsets = _check_dense(params, grads, state, at)
   return _dense_xla(_leaf_update, h, params, grads, state, offsets, decay)
+
+
+class Rounding(NamedTuple):
+  """How a rounded dense step writes its low-precision params (:mod:`adamkit._rounding`'s
+  rule, ``param_rounding=`` of the fused steps)."""
+  method: str  # "nearest", "stochastic" or "kahan"
+  keys: tuple = ()  # stochastic: per leaf, its two uint32 key words for this step
+  comps: tuple = ()  # kahan: per leaf, its compensation buffer (the param's dtype)
+
+
+def rounded_dense_step(h: Hyper, r: Rounding, params: Sequence[jax.Array],
+                       grads: Sequence[jax.Array], state, *,
+                       at: Sequence[Sequence[int]] | None = None, decay: bool = False,
+                       backend: str = "auto"):
+  """:func:`dense_step` on bf16 or fp16 params, computed in float32 and rounded by
+  ``r``: per leaf, :func:`_leaf_update` on the float32 views of ``p`` and ``g`` (the
+  moments are float32 or quantized), then :func:`adamkit._rounding.round_sum`, writing the
+  param ``optax.apply_updates`` would write from ``ak.param_rounding``'s update. The
+  kernel takes bf16 params (bf16 or float32 gradients, float32 moments) and rounds in its
+  pass; fp16 params, quantized moments and the other cases of :func:`dense_step` run in
+  XLA. Returns ``(params, state, comps)``: ``comps`` the new Kahan buffers (``()``
+  for the other methods)."""
+  params, grads, state = list(params), list(grads), _check_state(h, state)
+  offsets = _check_dense(params, grads, state, at)
+  _check_rounding(r, params)
+  sizes = [p.size for p in params]
+  contiguous = at is None or (all(a == offsets[0] for a in offsets) and all(
+      offsets[0][j + 1] == offsets[0][j] + sizes[j] for j in range(len(params) - 1)))
+  fits = contiguous and all(p.dtype == jnp.bfloat16 for p in params) and all(
+      g.dtype == grads[0].dtype for g in grads)
+  if _backend.use_kernel(backend, *state, narrow=(*params, *grads, *r.comps), fits=fits,
+                         big_enough=at is not None or sum(sizes) >= _backend.MIN_LEAF):
+    variant, s = _kernel_args(h)
+    out, comps = [], []
+    for lo in range(0, len(params), LEAVES_PER_CALL):
+      hi = min(lo + LEAVES_PER_CALL, len(params))
+      keys = jnp.stack([w for k in r.keys[lo:hi] for w in k]) if r.method == "stochastic" else None
+      ps, state, cs = _backend.native_ffi.dense_step_rounded(
+          variant, s, r.method, params[lo:hi], grads[lo:hi], state, keys=keys,
+          comps=r.comps[lo:hi] if r.method == "kahan" else None, decay=decay,
+          offset=0 if at is None else offsets[0][lo])
+      out += ps
+      comps += cs
+    return out, state, tuple(comps)
+  out, comps = [], []
+  for j, (p, g) in enumerate(zip(params, grads)):
+    olds = [_load(buf, a[j], p.shape) for buf, a in zip(state, offsets)]
+    step, *news = _leaf_update(h, p.astype(jnp.float32), g.astype(jnp.float32), olds, decay)
+    new_p, c = _round(r, j, p, step)
+    out.append(new_p)
+    comps.append(c)
+    state = tuple(_store(buf, a[j], x) for buf, a, x in zip(state, offsets, news))
+  return out, state, tuple(comps) if r.method == "kahan" else ()
+
+
+def _check_rounding(r: Rounding, params) -> None:
+  """``r`` must hold what its method needs for each leaf, shaped like the params."""
+  if r.method not in _rounding.METHODS:
+    raise ValueError(f"Unknown rounding method {r.method!r}; expected one of {_rounding.METHODS}.")
+  for p in params:
+    if p.dtype not in _rounding.NARROW:
+      raise TypeError(f"A rounded step takes bfloat16 or float16 params, got {p.dtype}.")
+  if r.method == "stochastic" and len(r.keys) != len(params):
+    raise ValueError(f"Stochastic rounding needs one key per leaf: {len(r.keys)} keys for "
+                     f"{len(params)} params.")
+  if r.method == "kahan":
+    if len(r.comps) != len(params):
+      raise ValueError(f"Kahan summation needs one buffer per leaf: {len(r.comps)} buffers "
+                       f"for {len(params)} params.")
+    for p, c in zip(params, r.comps):
+      if np.shape(c) != np.shape(p) or getattr(c, "dtype", None) != p.dtype:
+        raise ValueError(f"A Kahan buffer of shape {np.shape(c)} and dtype "
+                         f"{getattr(c, 'dtype', type(c).__name__)} for a param of shape "
+                         f"{np.shape(p)} and dtype {p.dtype}: it must be the param's.")
 
 
 def _check_dense(params, grads, state, at) -> list:
@@ -419,6 +498,32 @@ def lazy_row_update(h: Hyper, p, g: RowSparse, state, *,
   if decay:
     u = _decoupled(h, u, gather_rows(p, ids))
   return ids, lr_step(h.lr, u), state
+
+
+def rounded_lazy_row_step(h: Hyper, r: Rounding, p, g: RowSparse, state, *,
+                          at: Sequence[int | None] | None = None, merge: bool = True,
+                          decay: bool = False, backend: str = "auto"):
+  """:func:`lazy_row_step` on a bf16 or fp16 table, rounded by ``r`` as
+  ``ak.param_rounding`` rounds a row-sparse update: the rows' float32 update
+  (:func:`lazy_row_update`) applied to the whole table, each element rounded (untouched
+  rows get a zero update: nearest and stochastic rounding keep them, Kahan adds their
+  buffer back). Returns ``(p, state, comps)``."""
+  _check_rounding(r, [p])
+  ids, rows, state = lazy_row_update(h, p, g, state, at=at, merge=merge, decay=decay,
+                                     backend=backend)
+  u = RowSparse.of(ids, rows, g.num_rows).todense().astype(jnp.float32)
+  new_p, comp = _round(r, 0, p, u)
+  return new_p, state, (comp,) if r.method == "kahan" else ()
+
+
+def _round(r: Rounding, j: int, p, u):
+  """Leaf ``j`` of ``r``: ``p`` moved by its float32 update ``u``, rounded as
+  ``optax.apply_updates`` writes ``ak.param_rounding``'s update: ``(param, comp)``."""
+  bits = _rounding.element_bits(r.keys[j], p.shape) if r.method == "stochastic" else None
+  _, written, comp = _rounding.round_sum(r.method, p.dtype, p.astype(jnp.float32), u,
+                                         comp=r.comps[j] if r.method == "kahan" else None,
+                                         bits=bits)
+  return written.astype(p.dtype), comp
 
 
 def row_add(p, u: RowSparse, *, backend: str = "auto"):

@@ -212,6 +212,59 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   return _round_with_bits(jnp.asarray(x).astype(jnp.float32), dtype, bits).astype(dtype)
 
 
+# ------------------------------------------------------------------ one leaf's rule
+
+
+def leaf_key(key: tuple[jax.Array, jax.Array], step: jax.Array, index: int):
+  """The two key words of leaf ``index`` (its place in ``jax.tree.leaves(params)``) at
+  step ``step``: ``threefry2x32(key, (step, index))``."""
+  return threefry2x32(key[0], key[1], jnp.asarray(step).astype(jnp.uint32), np.uint32(index))
+
+
+def element_bits(words, shape: tuple[int, ...]) -> jax.Array:
+  """32 random bits per element of an array of ``shape``: ``threefry2x32(words, (i0, j))``
+  of each element's global position (see :func:`stochastic_round`)."""
+  bits, _ = threefry2x32(words[0], words[1], *_counters(tuple(shape)))
+  return bits
+
+
+def round_sum(method: str, dtype: np.dtype, w: jax.Array, u: jax.Array, *, comp=None,
+              bits=None):
+  """One low-precision leaf's rule (see :func:`param_rounding`), all in float32: ``w`` the
+  param and ``u`` its update (float32 arrays), ``comp`` the Kahan buffer, ``bits`` the
+  random bits of stochastic rounding.
+
+  Returns ``(update, written, comp)``: the update in ``dtype`` (the new value minus ``w``),
+  the param ``optax.apply_updates`` writes from it (float32 values of ``dtype``: ``w +
+  update`` rounded, the new value itself whenever Sterbenz holds) and the new Kahan buffer,
+  computed against the written param (``None`` for the other methods). The fused steps
+  write ``written`` themselves, so the two forms give the same bits."""
+  if method == "kahan":
+    s = w + (u + comp.astype(jnp.float32))
+    new = round_nearest(s, dtype)
+  elif method == "stochastic":
+    s = w + u
+    new = _round_with_bits(s, dtype, bits)
+  else:
+    s = w + u
+    new = round_nearest(s, dtype)
+  d = new - w  # exact when new is within a factor of two of w (Sterbenz)
+  written = round_nearest(w + round_nearest(d, dtype), dtype)
+  return d.astype(dtype), written, (s - written).astype(dtype) if method == "kahan" else None
+
+
+def check_state(method: str, state: Any, what: str) -> None:
+  """``state`` must be the rounding state of ``method``: the error names the method a
+  state of another rounding came from. ``what`` names the call (``{!r}``: the method)."""
+  want = _STATES[method]
+  if not isinstance(state, want):
+    other = next((m for m, t in _STATES.items() if isinstance(state, t)), None)
+    came = (f"a state from param_rounding(method={other!r})" if other else
+            f"a {type(state).__name__}")
+    raise TypeError(f"{what.format(method)} takes the {want.__name__} its own init returns, "
+                    f"got {came} as `state`.")
+
+
 # ------------------------------------------------------------------ the wrapper
 
 
@@ -238,7 +291,8 @@ _STATES = {"nearest": NearestRoundingState, "stochastic": StochasticRoundingStat
            "kahan": KahanState}
 
 
-def _is_low(leaf) -> bool:
+def is_low(leaf) -> bool:
+  """A leaf narrower than float32 (bf16, fp16): rounded; wider ones pass straight through."""
   return jnp.finfo(leaf.dtype).bits < 32
 
 
@@ -358,22 +412,21 @@ def param_rounding(tx: optax.GradientTransformation, method: str, *,
     raise TypeError(f"`tx` must be an optax GradientTransformation, got {type(tx).__name__}.")
   key_words = _seed_words(seed) if method == "stochastic" else None
   inner = optax.with_extra_args_support(tx)
-  state_type = _STATES[method]
 
   def view32(params):
-    return jax.tree.map(lambda p: p.astype(jnp.float32) if _is_low(p) else p, params)
+    return jax.tree.map(lambda p: p.astype(jnp.float32) if is_low(p) else p, params)
 
   def init_fn(params):
     _validate.check_float_params(params)
     for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-      if _is_low(p) and jnp.dtype(p.dtype) not in NARROW:
+      if is_low(p) and jnp.dtype(p.dtype) not in NARROW:
         raise TypeError(f"param_rounding rounds bfloat16 and float16 params; params leaf "
                         f"'{path_name(path) or '<root>'}' has dtype {p.dtype}.")
     inner_state = inner.init(view32(params))
     if method == "nearest":
       return NearestRoundingState(inner=inner_state)
     if method == "kahan":
-      comp = jax.tree.map(lambda p: jnp.zeros_like(p) if _is_low(p) else None, params)
+      comp = jax.tree.map(lambda p: jnp.zeros_like(p) if is_low(p) else None, params)
       return KahanState(compensation=comp, inner=inner_state)
     key = (jnp.asarray(key_words[0], jnp.uint32), jnp.asarray(key_words[1], jnp.uint32))
     state = StochasticRoundingState(step=jnp.zeros([], jnp.int32), key=key, inner=inner_state)
@@ -382,16 +435,11 @@ def param_rounding(tx: optax.GradientTransformation, method: str, *,
   def update_fn(updates, state, params=None, **extra):
     if params is None:
       raise ValueError("param_rounding needs `params`: call `update(grads, state, params)`.")
-    if not isinstance(state, state_type):
-      other = next((m for m, t in _STATES.items() if isinstance(state, t)), None)
-      came = (f"a state from param_rounding(method={other!r})" if other else
-              f"a {type(state).__name__}")
-      raise TypeError(f"param_rounding(method={method!r}).update takes the "
-                      f"{state_type.__name__} its own init returns, got {came} as `state`.")
+    check_state(method, state, "param_rounding(method={!r}).update")
     _validate.check_matching_trees(updates, params)
     p_flat, treedef = jax.tree.flatten(params)
     g_flat = treedef.flatten_up_to(updates)
-    low = [_is_low(p) for p in p_flat]
+    low = [is_low(p) for p in p_flat]
     to32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     grads32 = treedef.unflatten([map_values(to32, g) if lo else g for g, lo in zip(g_flat, low)])
     u32, inner_state = inner.update(grads32, state.inner, view32(params), **extra)
@@ -407,24 +455,12 @@ def param_rounding(tx: optax.GradientTransformation, method: str, *,
         continue
       if is_row_sparse(u):
         u = u.todense()
-      w = p.astype(jnp.float32)
-      u = u.astype(jnp.float32)
-      if method == "kahan":
-        s = w + (u + c.astype(jnp.float32))
-        new = round_nearest(s, p.dtype)
-      elif method == "stochastic":
-        s = w + u
-        k0, k1 = threefry2x32(state.key[0], state.key[1], state.step.astype(jnp.uint32),
-                              np.uint32(index))
-        bits, _ = threefry2x32(k0, k1, *_counters(p.shape))
-        new = _round_with_bits(s, p.dtype, bits)
-      else:
-        new = round_nearest(w + u, p.dtype)
-      d = new - w  # exact when new is within a factor of two of w (Sterbenz)
-      out_u.append(d.astype(p.dtype))
-      if method == "kahan":  # against the param apply_updates writes: w + RN(d), rounded
-        written = round_nearest(w + round_nearest(d, p.dtype), p.dtype)
-        out_c.append((s - written).astype(p.dtype))
+      bits = (element_bits(leaf_key(state.key, state.step, index), p.shape)
+              if method == "stochastic" else None)
+      d, _, c = round_sum(method, p.dtype, p.astype(jnp.float32), u.astype(jnp.float32),
+                          comp=c, bits=bits)
+      out_u.append(d)
+      out_c.append(c)
     new_updates = treedef.unflatten(out_u)
     if method == "nearest":
       return new_updates, NearestRoundingState(inner=inner_state)

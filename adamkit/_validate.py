@@ -339,6 +339,8 @@ _FOREIGN_KEYWORDS = {
     "use_amsgrad": ("amsgrad", "`amsgrad`"),
     "use_nesterov": ("nesterov", "`nesterov`"),
     "lazy_mode": ("lazy", "`lazy`"),
+    "bf16_stochastic_round": ("param_rounding", "`param_rounding='stochastic'` (torchao's "
+                              "`bf16_stochastic_round=True`)"),
 }
 
 

@@ -112,6 +112,9 @@ REGISTRY = {
     "adam_offload_8bit": lambda lr: ak.adam_offload(lr, mu_dtype=Q8, nu_dtype=Q8),
     "master_weights_adamw_4bit": lambda lr: ak.master_weights(ak.adamw(lr, mu_dtype=Q4,
                                                                         nu_dtype=Q4)),
+    # issue 20: the fused step's param_rounding (its optax form is ak.param_rounding's; the
+    # one-pass step is tested in tests/test_fused_rounding.py)
+    "fused_adamw_bf16_kahan": lambda lr: ak.fused_adamw(lr, param_rounding="kahan"),
 }
 
 NAMES = sorted(REGISTRY)
@@ -125,11 +128,13 @@ QUANTIZED = tuple(n for n in NAMES if any(k in n for k in ("8bit", "4bit", "fp8"
 #   missing "learning-rate link" (the rate is the schedule's at `count`);
 NO_LR_RECORD = ("fused_adam", "fused_adam_per_leaf", "fused_adamax", "master_weights_fused_adam",
                 "fused_adamw", "fused_adam_amsgrad_per_leaf", "fused_adamw_amsgrad",
-                "offload_fused_adam_state", "offload_fused_adamax_compute", "fused_adamw_8bit")
+                "offload_fused_adam_state", "offload_fused_adamax_compute", "fused_adamw_8bit",
+                "fused_adamw_bf16_kahan")
 # - multi-tensor moments are flat buffers (one per dtype), which cannot take a param's
 #   sharding: the params keep theirs, the buffers are laid out by XLA.
 FLAT_STATE = ("fused_adam", "fused_adamax", "master_weights_fused_adam", "fused_adamw",
-              "fused_adamw_amsgrad", "offload_fused_adam_state", "fused_adamw_8bit")
+              "fused_adamw_amsgrad", "offload_fused_adam_state", "fused_adamw_8bit",
+              "fused_adamw_bf16_kahan")
 
 # The entries that take RowSparse gradients (the others refuse them with a TypeError).
 SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",
@@ -137,7 +142,8 @@ SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_
           "sparse_adamw_amsgrad_mindspore", "fused_adam", "fused_adam_per_leaf",
           "master_weights_fused_adam", "fused_adamw", "fused_adam_amsgrad_per_leaf",
           "fused_adamw_amsgrad", "offload_fused_adam_state", "sparse_adam_8bit",
-          "sparse_adam_4bit_full", "sparse_adamw_8bit", "offload_sparse_adam_8bit_state")
+          "sparse_adam_4bit_full", "sparse_adamw_8bit", "offload_sparse_adam_8bit_state",
+          "fused_adamw_bf16_kahan")
 
 # Their gradient accumulation: optax.MultiSteps cannot take a RowSparse (its accumulator is
 # zeros_like(params)); ak.multi_steps keeps k * n ids and rows per table instead. The same

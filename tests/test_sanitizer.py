@@ -4,8 +4,9 @@ Builds ``adamkit/_cpu/adam_kernels.cc`` with ``-fsanitize=address,undefined`` an
 every entry point (``sparse_adam`` and ``sparse_adamw(amsgrad=True)`` + ``apply_updates``,
 ``fused_adam`` and ``fused_adamw(amsgrad=True)`` per leaf and multi-tensor with a table
 between dense leaves, ``fused_sparse_lazy_adam``, the dense step of every variant, the
-dense step with 8-bit quantized moments, and each kernel called directly past the Python
-checks) with adversarial inputs, in a
+dense step with 8-bit quantized moments, the rounded dense step on bf16 params
+(``param_rounding``), and each kernel called directly past the Python checks) with
+adversarial inputs, in a
 subprocess with AddressSanitizer preloaded. Passes when the subprocess reports zero
 sanitizer errors and no row of a table or moment that no valid id addresses has changed.
 Skipped, with the reason, only where no C++ compiler (or no ASan runtime) exists.
@@ -286,6 +287,53 @@ def _drive():  # noqa: C901 - one list of cases
                 dict(q_attrs, amsgrad=True, state=np.int64(3))]:
     refused(call, "adamkit_cpu_step_quantized", outs, s9, *good, **attrs)
   refused(call, "adamkit_cpu_step_quantized", outs[:-1] + [sd(f32(5))], s9, *good, **q_attrs)
+  # --- the rounded dense step (bf16 params, param_rounding): public API on leaves of sizes
+  # 0, 1, 17 (2-D: counters in two words), one split over the thread pool; bf16 and float32
+  # gradients with NaN and Inf; every method, per leaf and multi-tensor
+  rounded = [functools.partial(ak.fused_adamw, amsgrad=True, param_rounding="kahan"),
+             functools.partial(ak.fused_adam, weight_decay=0.1, param_rounding="stochastic",
+                               seed=5),
+             functools.partial(ak.fused_adamax, weight_decay=0.1, param_rounding="nearest")]
+  for shapes, make, mt, gdt in itertools.product(
+      [[(1,)], [(17, 3), (0,), ()], [(300_000,)], [(5,), (400, 500)]], rounded, (True, False),
+      (jnp.bfloat16, jnp.float32)):
+    opt = make(0.1, multi_tensor=mt, backend="kernel")
+    params = {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.bfloat16) for i, s in enumerate(shapes)}
+    grads = {k: jnp.where(jnp.arange(x.size).reshape(x.shape) % 7 == 0, jnp.nan,
+                          x.astype(gdt) * 1e30).astype(gdt) for k, x in params.items()}
+    jax.block_until_ready(jax.jit(opt.step)(params, opt.init(params), grads=grads))
+    counts["cases"] += 1
+
+  # --- the rounded kernel called directly with malformed buffers: the handler refuses
+  bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
+  r_attrs = dict(step_attrs, decay=np.int64(2), offset=np.int64(0), rounding=np.int64(2),
+                 grads_f32=False)
+  pb, cb = bf(1000), bf(1000)
+  m1 = f32(1000)
+  r_outs = [sd(pb), sd(m1), sd(m1), sd(cb)]
+  jax.block_until_ready(call("adamkit_cpu_step_rounded", r_outs, s9, pb, pb, m1, m1, cb,
+                             **r_attrs))
+  for operands, attrs, outs in [
+      ((pb, bf(999), m1, m1, cb), r_attrs, r_outs),  # a gradient shorter than its param
+      ((pb, pb, m1, m1, bf(999)), r_attrs, r_outs),  # a short Kahan buffer
+      ((pb, pb, m1, f32(999), cb), r_attrs, r_outs),  # a short second moment
+      ((pb, pb, m1, m1, cb), dict(r_attrs, offset=np.int64(1)), r_outs),
+      ((pb, pb, m1, m1, cb), dict(r_attrs, offset=np.int64(-1)), r_outs),
+      ((pb, pb, m1, m1, cb), dict(r_attrs, rounding=np.int64(7)), r_outs),
+      ((pb, pb, m1, m1, cb), dict(r_attrs, grads_f32=True), r_outs),  # bf16 grads said f32
+      ((m1, pb, m1, m1, cb), r_attrs, [sd(m1)] + r_outs[1:]),  # float32 params
+      ((pb, pb, m1, m1, f32(1000)), r_attrs, r_outs[:3] + [sd(m1)]),  # float32 buffer
+      ((pb, pb, m1, m1), r_attrs, r_outs[:3]),  # no Kahan buffer
+      ((pb, pb, m1, m1, cb), r_attrs, r_outs[:3] + [sd(bf(999))]),  # a short result
+      ((pb, pb, m1, m1, jnp.zeros(1, jnp.uint32)),  # stochastic: one key word, not two
+       dict(r_attrs, rounding=np.int64(1)), r_outs[:3]),
+      ((pb, pb, m1, m1, jnp.zeros(2, jnp.int32)),  # stochastic: signed key words
+       dict(r_attrs, rounding=np.int64(1)), r_outs[:3]),
+      ((pb, pb, m1, m1), dict(r_attrs, rounding=np.int64(1)), r_outs[:3]),  # no keys
+      ((pb, pb, m1, m1, m1), dict(r_attrs, amsgrad=True, state=np.int64(3), rounding=np.int64(0)),
+       r_outs[:3]),  # three state buffers, two results
+  ]:
+    refused(call, "adamkit_cpu_step_rounded", outs, s9, *operands, **attrs)
   print(f"sanitizer driver: all {counts['cases']} cases held, {counts['refused']} malformed "
         "inputs refused")
 

@@ -11,6 +11,8 @@
 // its moments read and written once, rows prefetched ahead; and the row scatter-add.
 // Quantized (AdamkitCpuStepQuantized): the dense step with 8-bit block-wise moments
 // (adamkit/_quant.py), decoded, stepped and re-encoded per block in one pass.
+// Rounded (AdamkitCpuStepRounded): the dense step on bfloat16 params without a float32
+// master copy, rounded to nearest, stochastically or Kahan-compensated in the same pass.
 // The arithmetic mirrors adamkit's reference formulas operation by operation, without FMA
 // contraction (the scalars, including reciprocals XLA would form, are computed by the
 // caller in JAX).
@@ -25,6 +27,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -340,6 +343,373 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
                                                            ~int64_t{15});
   ParallelFor(pool, total, chunk, [&leaves, fn, s](int64_t lo, int64_t hi) {
     RunRange(fn, leaves, s, lo, hi);
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------
+// The dense step on bfloat16 params without a float32 master copy (param_rounding): each
+// element computed in float32 as the step above computes it, then written back rounded as
+// adamkit/_rounding.py rounds (round_sum): to nearest, stochastically, or Kahan-compensated
+// with a bfloat16 buffer. Bit for bit the XLA path's rounding of the same float32 sum.
+
+enum Rounding : int64_t { kNearest = 0, kStochastic = 1, kKahan = 2 };
+
+// bfloat16 is the top half of a float32: widening is exact.
+inline float FromBf16(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// float32 -> bfloat16, round to nearest, ties to even (as XLA's convert and
+// lax.reduce_precision); NaN stays a quiet NaN of its sign. Branch-free, so loops vectorize.
+inline uint16_t ToBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t nearest = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t nan = (bits >> 16) | 0x0040u;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : nearest);
+}
+
+inline float RoundBf16(float x) { return FromBf16(ToBf16(x)); }
+
+inline uint32_t Rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+// Threefry-2x32, 20 rounds: adamkit/_rounding.py's threefry2x32 (JAX's primitive), the
+// first output word for key (k0, k1) and counter (c0, c1).
+inline uint32_t Threefry2x32(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1) {
+  static constexpr int kRotations[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+  uint32_t x0 = c0 + ks[0], x1 = c1 + ks[1];
+  for (int i = 0; i < 5; ++i) {
+    for (int r : kRotations[i % 2]) {
+      x0 += x1;
+      x1 = Rotl(x1, r) ^ x0;
+    }
+    x0 += ks[(i + 1) % 3];
+    x1 += ks[(i + 2) % 3] + static_cast<uint32_t>(i + 1);
+  }
+  return x0;
+}
+
+// Stochastic rounding of x to bfloat16 with 32 random bits (_rounding._round_with_bits):
+// lo <= |x| < hi its neighbours, round up when u < (|x| - lo) / (hi - lo), u = (bits >> 8)
+// * 2^-24. Exact values, NaN and values whose upper neighbour is infinite round to nearest.
+inline uint16_t StochasticBf16(float x, uint32_t bits) {
+  const float a = std::fabs(x);
+  const uint16_t yb = ToBf16(a);
+  const float y = FromBf16(yb);
+  const float other = FromBf16(static_cast<uint16_t>(y > a ? yb - 1 : yb + 1));
+  const float lo = y > a ? other : y;
+  const float hi = y > a ? y : other;
+  const float p = (a - lo) / (hi - lo);
+  const float u = static_cast<float>(bits >> 8) * 0x1p-24f;
+  float r = u < p ? hi : lo;
+  if (y == a || std::isnan(a) || std::isinf(hi)) r = y;
+  return ToBf16(std::signbit(x) ? -r : r);
+}
+
+// The float32 step of one element, -lr * u (AdamW: -lr * (u + wd * w)): the operations of
+// Update above, in its order, with the param's update returned instead of added.
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad>
+inline __attribute__((always_inline)) float StepOf(const Scalars& k, float gi, float w, float& m,
+                                                   float& v, float& vmax) {
+  if (decay == kL2) gi = gi + k.wd * w;
+  float u = 0.0f;
+  Update<kind, nesterov, kNoDecay, amsgrad, true>(k, gi, u, m, v, vmax);
+  if (decay == kDecoupled) u = u + k.wd * w;
+  return -k.lr * u;
+}
+
+struct RoundedLeaf {
+  uint16_t* p;          // bfloat16
+  const void* g;        // bfloat16 or float32 (the call's gradients are all of one dtype)
+  float* m;
+  float* v;
+  float* vmax;          // nullptr without AMSGrad
+  uint16_t* comp;       // kahan: the bfloat16 buffer; nullptr otherwise
+  uint32_t k0, k1;      // stochastic: this leaf's key of this step
+  int64_t n;
+  int64_t rest;         // elements per index along axis 0 (the counter's second word)
+};
+
+// Element i of one leaf, at counter (c0, c1): the step, then the rounding; the param
+// written is what optax.apply_updates writes from ak.param_rounding's update d = new - w
+// (w + RN(d), rounded), and the Kahan buffer holds what that dropped of the float32 sum.
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+inline __attribute__((always_inline)) void RoundedElement(
+    uint16_t* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v,
+    float* __restrict vmax, uint16_t* __restrict comp, uint32_t k0, uint32_t k1,
+    const Scalars& k, int64_t i, uint32_t c0, uint32_t c1) {
+  float gi;
+  if constexpr (std::is_same_v<G, float>) {
+    gi = g[i];
+  } else {
+    gi = FromBf16(g[i]);
+  }
+  const float w = FromBf16(p[i]);
+  float none = 0.0f;
+  const float step = StepOf<kind, nesterov, decay, amsgrad>(k, gi, w, m[i], v[i],
+                                                            amsgrad ? vmax[i] : none);
+  float s, fresh;
+  if constexpr (rounding == kKahan) {
+    s = w + (step + FromBf16(comp[i]));
+    fresh = RoundBf16(s);
+  } else if constexpr (rounding == kStochastic) {
+    s = w + step;
+    fresh = FromBf16(StochasticBf16(s, Threefry2x32(k0, k1, c0, c1)));
+  } else {
+    s = w + step;
+    fresh = RoundBf16(s);
+  }
+  const float written = RoundBf16(w + RoundBf16(fresh - w));
+  p[i] = ToBf16(written);
+  if constexpr (rounding == kKahan) comp[i] = ToBf16(s - written);
+}
+
+// Elements [lo, hi) of one leaf. Stochastic rounding's counter is (index along axis 0,
+// index within the other axes): row by row, so each inner loop has a fixed c0 and
+// consecutive c1 (a 1-D leaf: c0 = i, c1 = 0), and vectorizes.
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+inline __attribute__((always_inline)) void RoundedBody(const RoundedLeaf& l, const Scalars& k,
+                                                       int64_t lo, int64_t hi) {
+  uint16_t* __restrict p = l.p;
+  const G* __restrict g = static_cast<const G*>(l.g);
+  float* __restrict m = l.m;
+  float* __restrict v = l.v;
+  float* __restrict vmax = l.vmax;
+  uint16_t* __restrict comp = l.comp;
+  const uint32_t k0 = l.k0, k1 = l.k1;
+  if (rounding != kStochastic || l.rest == 1) {
+    for (int64_t i = lo; i < hi; ++i) {
+      RoundedElement<kind, nesterov, decay, amsgrad, rounding, G>(
+          p, g, m, v, vmax, comp, k0, k1, k, i, static_cast<uint32_t>(i), 0u);
+    }
+    return;
+  }
+  for (int64_t i = lo; i < hi;) {
+    const int64_t row = i / l.rest, first = row * l.rest, end = std::min(hi, first + l.rest);
+    for (int64_t j = i; j < end; ++j) {
+      RoundedElement<kind, nesterov, decay, amsgrad, rounding, G>(
+          p, g, m, v, vmax, comp, k0, k1, k, j, static_cast<uint32_t>(row),
+          static_cast<uint32_t>(j - first));
+    }
+    i = end;
+  }
+}
+
+// Compiled for the baseline and, on x86-64, for AVX2 (chosen at run time), as Chunk.
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+void RoundedChunk(const RoundedLeaf& l, const Scalars& k, int64_t lo, int64_t hi) {
+  RoundedBody<kind, nesterov, decay, amsgrad, rounding, G>(l, k, lo, hi);
+}
+
+#ifdef ADAMKIT_AVX2
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+__attribute__((target("avx2"))) void RoundedChunkAvx2(const RoundedLeaf& l, const Scalars& k,
+                                                      int64_t lo, int64_t hi) {
+  RoundedBody<kind, nesterov, decay, amsgrad, rounding, G>(l, k, lo, hi);
+}
+#endif
+
+using RoundedFn = void (*)(const RoundedLeaf&, const Scalars&, int64_t, int64_t);
+
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
+          typename G>
+RoundedFn RoundedInstance() {
+#ifdef ADAMKIT_AVX2
+  if (HasAvx2()) return RoundedChunkAvx2<kind, nesterov, decay, amsgrad, rounding, G>;
+#endif
+  return RoundedChunk<kind, nesterov, decay, amsgrad, rounding, G>;
+}
+
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding>
+RoundedFn PickGrads(bool g_f32) {
+  return g_f32 ? RoundedInstance<kind, nesterov, decay, amsgrad, rounding, float>()
+               : RoundedInstance<kind, nesterov, decay, amsgrad, rounding, uint16_t>();
+}
+
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad>
+RoundedFn PickRounding(int64_t rounding, bool g_f32) {
+  if (rounding == kStochastic) return PickGrads<kind, nesterov, decay, amsgrad, kStochastic>(g_f32);
+  if (rounding == kKahan) return PickGrads<kind, nesterov, decay, amsgrad, kKahan>(g_f32);
+  return PickGrads<kind, nesterov, decay, amsgrad, kNearest>(g_f32);
+}
+
+// The variant's loop (the handler checks the variant first, as Pick's callers do).
+RoundedFn PickRounded(int64_t kind, bool nesterov, int64_t decay, bool amsgrad,
+                      int64_t rounding, bool g_f32) {
+  auto by_decay = [&](auto K, auto N) -> RoundedFn {
+    auto by_amsgrad = [&](auto D) -> RoundedFn {
+      constexpr int64_t kk = decltype(K)::value, dd = decltype(D)::value;
+      constexpr bool nn = decltype(N)::value;
+      if constexpr (kk != kAdamax) {
+        if (amsgrad) return PickRounding<kk, nn, dd, true>(rounding, g_f32);
+      }
+      return PickRounding<kk, nn, dd, false>(rounding, g_f32);
+    };
+    if (decay == kL2) return by_amsgrad(std::integral_constant<int64_t, kL2>{});
+    if (decay == kDecoupled) return by_amsgrad(std::integral_constant<int64_t, kDecoupled>{});
+    return by_amsgrad(std::integral_constant<int64_t, kNoDecay>{});
+  };
+  auto by_nesterov = [&](auto K) -> RoundedFn {
+    if constexpr (decltype(K)::value != kAdamax) {
+      if (nesterov) return by_decay(K, std::true_type{});
+    }
+    return by_decay(K, std::false_type{});
+  };
+  if (kind == kAdamHat) return by_nesterov(std::integral_constant<int64_t, kAdamHat>{});
+  if (kind == kAdamCorrected) return by_nesterov(std::integral_constant<int64_t, kAdamCorrected>{});
+  return by_nesterov(std::integral_constant<int64_t, kAdamax>{});
+}
+
+// Runs `fn` over the global element range [lo, hi) of the concatenated leaves.
+void RunRounded(RoundedFn fn, const std::vector<RoundedLeaf>& leaves, const Scalars& k,
+                int64_t lo, int64_t hi) {
+  int64_t base = 0;
+  for (const RoundedLeaf& l : leaves) {
+    int64_t a = std::max(lo, base), b = std::min(hi, base + l.n);
+    if (a < b) fn(l, k, a - base, b - base);
+    base += l.n;
+    if (base >= hi) break;
+  }
+}
+
+// Arguments: scalars (f32[9]), L params (bf16, any shape), L gradients (bf16, or f32 when
+// `grads_f32`), the `state` float32 buffers laid out as in Step (from element `offset`),
+// then for `rounding` kStochastic the leaves' keys (u32[2L]: k0, k1 per leaf) or for kKahan
+// L buffers (bf16, shaped as their params). Results: the L params, the state buffers and
+// (kKahan) the L buffers, aliased to the inputs when donated. Every buffer is checked
+// against its own size; a param's counters come from its own dimensions.
+ffi::Error StepRounded(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
+                       ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t kind,
+                       bool nesterov, int64_t decay, bool amsgrad, int64_t offset,
+                       int64_t state, int64_t rounding, bool grads_f32) {
+  auto bad = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("adamkit rounded step: ") + what);
+  };
+  if (scalars.element_count() != 9) return bad("expected 9 scalars");
+  if (!ValidVariant(kind, nesterov, decay, amsgrad, state)) {
+    return bad("unknown variant or state count");
+  }
+  if (rounding < kNearest || rounding > kKahan) return bad("unknown rounding");
+  if (offset < 0) return bad("negative offset");
+  const int64_t nstate = state;
+  const int64_t nargs = static_cast<int64_t>(args.size());
+  const int64_t nrets = static_cast<int64_t>(rets.size());
+  // 2L + S (+1 keys | +L buffers) arguments, L + S (+L buffers) results
+  int64_t num = -1;
+  if (rounding == kKahan) {
+    if ((nargs - nstate) % 3 == 0) num = (nargs - nstate) / 3;
+  } else if (rounding == kStochastic) {
+    if ((nargs - nstate - 1) % 2 == 0) num = (nargs - nstate - 1) / 2;
+  } else if ((nargs - nstate) % 2 == 0) {
+    num = (nargs - nstate) / 2;
+  }
+  if (num < 1 || nrets != num + nstate + (rounding == kKahan ? num : 0)) {
+    return bad("expected 2L+S arguments (+ keys, or + L Kahan buffers), L+S results (+ L)");
+  }
+  float* moments[kMaxStateBuffers] = {nullptr, nullptr, nullptr};
+  int64_t moment_size[kMaxStateBuffers] = {0, 0, 0};
+  for (int64_t j = 0; j < nstate; ++j) {
+    auto in = args.get<ffi::Buffer<ffi::F32>>(2 * num + j);
+    auto out = rets.get<ffi::Buffer<ffi::F32>>(num + j);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    moment_size[j] = static_cast<int64_t>(in->element_count());
+    if (static_cast<int64_t>((*out)->element_count()) != moment_size[j]) {
+      return bad("a moment result differs from its input");
+    }
+    moments[j] = (*out)->typed_data();
+    if (moments[j] != in->typed_data()) std::copy_n(in->typed_data(), moment_size[j], moments[j]);
+  }
+  const uint32_t* keys = nullptr;
+  if (rounding == kStochastic) {
+    auto k = args.get<ffi::Buffer<ffi::U32>>(2 * num + nstate);
+    if (k.has_error()) return k.error();
+    if (static_cast<int64_t>(k->element_count()) != 2 * num) return bad("expected 2 key words per param");
+    keys = k->typed_data();
+  }
+  std::vector<RoundedLeaf> leaves(num);
+  int64_t total = 0;
+  for (int64_t i = 0; i < num; ++i) {
+    auto p = args.get<ffi::Buffer<ffi::BF16>>(i);
+    auto p_out = rets.get<ffi::Buffer<ffi::BF16>>(i);
+    if (p.has_error()) return p.error();
+    if (p_out.has_error()) return p_out.error();
+    const int64_t n = static_cast<int64_t>(p->element_count());
+    const void* g = nullptr;
+    int64_t gn = -1;
+    if (grads_f32) {
+      auto gb = args.get<ffi::Buffer<ffi::F32>>(num + i);
+      if (gb.has_error()) return gb.error();
+      g = gb->typed_data();
+      gn = static_cast<int64_t>(gb->element_count());
+    } else {
+      auto gb = args.get<ffi::Buffer<ffi::BF16>>(num + i);
+      if (gb.has_error()) return gb.error();
+      g = gb->typed_data();
+      gn = static_cast<int64_t>(gb->element_count());
+    }
+    if (gn != n || static_cast<int64_t>((*p_out)->element_count()) != n) {
+      return bad("a gradient differs from its param");
+    }
+    for (int64_t j = 0; j < nstate; ++j) {
+      if (offset + total + n > moment_size[j]) return bad("a moment buffer is smaller than its params");
+    }
+    const auto dims = p->dimensions();
+    int64_t rest = 1;
+    for (size_t d = 1; d < dims.size(); ++d) rest *= dims[d];
+    if ((dims.size() > 0 && dims[0] > (int64_t{1} << 32)) || rest > (int64_t{1} << 32)) {
+      return bad("a param's counters must fit 32 bits");
+    }
+    RoundedLeaf& l = leaves[i];
+    l.p = reinterpret_cast<uint16_t*>((*p_out)->typed_data());
+    const uint16_t* p_in = reinterpret_cast<const uint16_t*>(p->typed_data());
+    if (l.p != p_in) std::copy_n(p_in, n, l.p);
+    if (rounding == kKahan) {
+      auto c = args.get<ffi::Buffer<ffi::BF16>>(2 * num + nstate + i);
+      auto c_out = rets.get<ffi::Buffer<ffi::BF16>>(num + nstate + i);
+      if (c.has_error()) return c.error();
+      if (c_out.has_error()) return c_out.error();
+      if (static_cast<int64_t>(c->element_count()) != n ||
+          static_cast<int64_t>((*c_out)->element_count()) != n) {
+        return bad("a Kahan buffer differs from its param");
+      }
+      l.comp = reinterpret_cast<uint16_t*>((*c_out)->typed_data());
+      const uint16_t* c_in = reinterpret_cast<const uint16_t*>(c->typed_data());
+      if (l.comp != c_in) std::copy_n(c_in, n, l.comp);
+    } else {
+      l.comp = nullptr;
+    }
+    const int64_t at = offset + total;
+    l.g = g;
+    l.m = moments[0] + at;
+    l.v = moments[1] + at;
+    l.vmax = amsgrad ? moments[2] + at : nullptr;
+    l.k0 = keys ? keys[2 * i] : 0;
+    l.k1 = keys ? keys[2 * i + 1] : 0;
+    l.n = n;
+    l.rest = std::max<int64_t>(rest, 1);
+    total += n;
+  }
+  RoundedFn fn = PickRounded(kind, nesterov, decay, amsgrad, rounding, grads_f32);
+  const Scalars k = LoadScalars(scalars.typed_data());
+  constexpr int64_t kMinPerChunk = 1 << 16;  // elements, as the float32 step
+  if (total < 2 * kMinPerChunk) {
+    RunRounded(fn, leaves, k, 0, total);
+    return ffi::Error::Success();
+  }
+  const int64_t chunk = std::max<int64_t>(kMinPerChunk, (total / (4 * Threads(pool))) &
+                                                           ~int64_t{15});
+  ParallelFor(pool, total, chunk, [&leaves, fn, &k](int64_t lo, int64_t hi) {
+    RunRounded(fn, leaves, k, lo, hi);
   });
   return ffi::Error::Success();
 }
@@ -992,6 +1362,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStep, Step,
                                   .Attr<bool>("amsgrad")
                                   .Attr<int64_t>("offset")
                                   .Attr<int64_t>("state"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStepRounded, StepRounded,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("decay")
+                                  .Attr<bool>("amsgrad")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("state")
+                                  .Attr<int64_t>("rounding")
+                                  .Attr<bool>("grads_f32"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuSparseLazy, SparseLazy,
                               ffi::Ffi::Bind()

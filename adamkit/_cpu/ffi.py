@@ -10,7 +10,8 @@ nine float32 :func:`scalars`; the optimizer state is a tuple of buffers
 (:func:`state_buffers` of them: first and second moment, and AMSGrad's running maximum of
 the second moment). Bias correction off (MindSpore ``AdamWeightDecay``) is ``bc1 = bc2 =
 1`` in the scalars, not a variant. In :func:`dense_step_quantized` a state buffer may be
-:class:`Codes`: 8-bit codes and per-block scales, with the format's code book.
+:class:`Codes`: 8-bit codes and per-block scales, with the format's code book. In
+:func:`dense_step_rounded` the params (and Kahan buffers) are bfloat16, rounded in the pass.
 """
 
 from __future__ import annotations
@@ -106,6 +107,67 @@ def dense_step(variant: Variant, s: jax.Array, params: Sequence[jax.Array],
                           vmap_method="sequential")
   out = call(s, *params, *grads, *state, offset=np.int64(offset), **_attrs(variant, decay, state))
   return list(out[:n]), tuple(out[n:])
+
+
+ROUNDINGS = {"nearest": 0, "stochastic": 1, "kahan": 2}  # the `Rounding` enum of adam_kernels.cc
+
+
+def _bf16(name: str, x) -> None:
+  _need(x.dtype == jnp.bfloat16, f"{name} must be bfloat16, got {x.dtype}")
+
+
+def dense_step_rounded(variant: Variant, s: jax.Array, method: str, params: Sequence[jax.Array],
+                       grads: Sequence[jax.Array], state: tuple[jax.Array, ...], *,
+                       keys: jax.Array | None = None, comps: Sequence[jax.Array] | None = None,
+                       offset: int = 0, decay: bool = False):
+  """One call of the dense step on bfloat16 ``params`` (gradients all bfloat16 or all
+  float32; float32 state laid out as in :func:`dense_step`), computed in float32 and
+  written back rounded by ``method`` (``adamkit._rounding.round_sum``'s rule):
+  ``"stochastic"`` takes ``keys`` (uint32, two words per leaf: the leaf's key of this
+  step), ``"kahan"`` the leaves' bfloat16 buffers ``comps``. Returns the new params,
+  state and (``"kahan"``) buffers, aliased to the inputs."""
+  n = len(params)
+  _need(method in ROUNDINGS, f"unknown rounding {method!r}")
+  _need(n == len(grads) and n > 0, "one gradient per param, at least one")
+  g_f32 = grads[0].dtype == jnp.float32
+  for p, g in zip(params, grads):
+    _bf16("a param", p)
+    (_f32 if g_f32 else _bf16)("a gradient (all of one dtype)", g)
+    _need(p.shape == g.shape, f"gradient of shape {g.shape} for a param of shape {p.shape}")
+    _need((p.shape[0] if p.ndim else 1) <= 2**32 and
+          int(np.prod(p.shape[1:], dtype=np.int64)) <= 2**32,
+          f"a param of shape {p.shape}: its counters (index along axis 0, index within the "
+          "others) must fit 32 bits")
+  _check_state(variant, state, sum(p.size for p in params), offset)
+  extra = []
+  if method == "stochastic":
+    _need(keys is not None and keys.dtype == jnp.uint32 and keys.shape == (2 * n,),
+          f"stochastic rounding takes uint32 keys of shape {(2 * n,)}, got "
+          f"{None if keys is None else (keys.dtype, keys.shape)}")
+    extra = [keys]
+  else:
+    _need(keys is None, "keys are for stochastic rounding only")
+  if method == "kahan":
+    _need(comps is not None and len(comps) == n, "one Kahan buffer per param")
+    for p, c in zip(params, comps):
+      _bf16("a Kahan buffer", c)
+      _need(c.shape == p.shape, f"a Kahan buffer of shape {c.shape} for a param of shape {p.shape}")
+    extra = list(comps)
+  else:
+    _need(comps is None, "Kahan buffers are for method 'kahan' only")
+  outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*params, *state)]
+  aliases = {1 + i: i for i in range(n)}  # operand 0 is the scalars, then params, grads
+  aliases.update({1 + 2 * n + j: n + j for j in range(len(state))})
+  if method == "kahan":
+    outs += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in comps]
+    aliases.update({1 + 2 * n + len(state) + i: n + len(state) + i for i in range(n)})
+  call = jax.ffi.ffi_call("adamkit_cpu_step_rounded", outs, input_output_aliases=aliases,
+                          vmap_method="sequential")
+  out = call(s, *params, *grads, *state, *extra, offset=np.int64(offset),
+             rounding=np.int64(ROUNDINGS[method]), grads_f32=bool(g_f32),
+             **_attrs(variant, decay, state))
+  k = n + len(state)
+  return list(out[:n]), tuple(out[n:k]), list(out[k:])
 
 
 class Codes(NamedTuple):
