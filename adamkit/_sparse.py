@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from adamkit import _adam, _backend, _groups, _links, _masks, _ops, _quant, _schedules, _validate
+from adamkit import _adam, _backend, _groups, _links, _masks, _ops, _quant, _quant_ops, _schedules, _validate
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, check_row_args, is_row_sparse
 from adamkit._tree import leaf_names
@@ -217,7 +217,19 @@ class ScaleBySparseAdamState(NamedTuple):
 def _init_moments(params, fmt, role: str):
   """Zero moments for every leaf in ``fmt`` (a quantized table keeps its blocks within rows,
   :func:`adamkit._quant.table_format`)."""
-  return jax.tree.map(lambda p: _quant.init_table_moment(p, fmt, role), params)
+  if not _quant.is_quantized(fmt):
+    return jax.tree.map(lambda p: _quant.init_table_moment(p, fmt, role), params)
+
+  def zero(p):
+    # A Flax NNX variable gives its value: the moment must be the QuantizedArray itself
+    # (as in the dense step, see adamkit._quant_ops.zero_moments).
+    if _quant_ops.is_nnx_variable(p):
+      p = p.get_value()
+      if not hasattr(p, "shape"):  # a parameter group's masked leaf
+        return p
+    return _quant.init_table_moment(p, fmt, role)
+
+  return jax.tree.map(zero, params, is_leaf=_quant_ops.is_nnx_variable)
 
 
 def _check_format(name: str, x: Any, fmt: Any, role: str, what: str) -> None:
