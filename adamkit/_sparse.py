@@ -296,6 +296,14 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   as 0 and never reach a block's scale (``nonfinite="propagate"`` still carries a NaN
   gradient into the update).
 
+  **Row-sharded tables** (``P("rows", None)`` over several devices, float moments): each
+  device updates the touched rows it owns (see ``docs/scaling_out.md``). Under a ``jit``
+  over Auto axes the arrays do not show their split, so ``init`` records it from the
+  params it is given, in the state's tree structure (``rows``: a node per table, no
+  arrays). Concrete or ``jax.ShapeDtypeStruct`` params with shardings record it;
+  abstract or traced ones (``jax.jit(tx.init)``) do not, and XLA then partitions the
+  step (the same numbers, every device processing every id).
+
   Args:
     b1, b2, eps, eps_mode, nesterov, amsgrad, bias_correction, mu_dtype, nu_dtype: see
       :func:`adamkit.scale_by_adam` (a float ``nu_dtype``, or the params' dtype by
