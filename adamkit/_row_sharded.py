@@ -64,7 +64,7 @@ def row_layout(x: Any) -> RowLayout | None:
   if sharding is None and (isinstance(x, jax.ShapeDtypeStruct) or (
       isinstance(x, jax.Array) and not is_tracer(x))):
     sharding = x.sharding
-  if not isinstance(sharding, NamedSharding) or len(x.shape) < 1:
+  if not isinstance(sharding, NamedSharding) or x.ndim < 1:
     return None
   spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
   if spec[0] is None or any(s is not None for s in spec[1:]):
@@ -108,6 +108,15 @@ def record(p: Any) -> RowSplit | None:
   where it is unknown (a traced param, or one without a sharding) or not a row split."""
   layout = row_layout(p)
   return None if layout is None else RowSplit(layout, p.shape[0])
+
+
+def recorded(state: Any, treedef: Any) -> list:
+  """The splits ``state.row_splits`` recorded for the leaves of ``treedef`` (the moments'
+  structure), ``None`` where none was: also for a state made other than by ``init``."""
+  try:
+    return treedef.flatten_up_to(getattr(state, "row_splits", None))
+  except (ValueError, TypeError):
+    return [None] * treedef.num_leaves
 
 
 def forget(tree: Any) -> Any:

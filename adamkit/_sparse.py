@@ -225,7 +225,7 @@ class ScaleBySparseAdamState(NamedTuple):
   nu: optax.Updates  # second moment, params' shapes: ``nu_dtype``, the params' dtype, or codes
   # No arrays: the params' tree with each row-sharded table's split as seen at init (a
   # RowSplit node, None elsewhere), so that a step jitted over Auto axes routes its rows.
-  rows: Any = None
+  row_splits: Any = None
 
 
 def _init_moments(params, fmt, role: str):
@@ -299,7 +299,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   **Row-sharded tables** (``P("rows", None)`` over several devices, float moments): each
   device updates the touched rows it owns (see ``docs/scaling_out.md``). Under a ``jit``
   over Auto axes the arrays do not show their split, so ``init`` records it from the
-  params it is given, in the state's tree structure (``rows``: a node per table, no
+  params it is given, in the state's tree structure (``row_splits``: a node per table, no
   arrays). Concrete or ``jax.ShapeDtypeStruct`` params with shardings record it;
   abstract or traced ones (``jax.jit(tx.init)``) do not, and XLA then partitions the
   step (the same numbers, every device processing every id).
@@ -363,14 +363,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     if amsgrad:  # three buffers: never routed (see adamkit._ops._row_layout)
       return state_type(jnp.zeros([], jnp.int32), *moments)
     return state_type(jnp.zeros([], jnp.int32), *moments,
-                      rows=jax.tree.map(_row_sharded.record, params))
-
-  def splits(state, treedef) -> list:
-    """Each leaf's split recorded at init (None: none, or a state made otherwise)."""
-    try:
-      return treedef.flatten_up_to(getattr(state, "rows", None))
-    except (ValueError, TypeError):
-      return [None] * treedef.num_leaves
+                      row_splits=jax.tree.map(_row_sharded.record, params))
 
   def update_fn(updates, state, params=None):
     _validate.check_state(state, state_type, "ak.scale_by_sparse_adam", updates)
@@ -406,7 +399,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     n_moments = 3 if amsgrad else 2  # mu, nu(, nu_max); then the recorded splits
     moments = [jax.tree.leaves(t, is_leaf=_quant.is_qarray) for t in state[1:1 + n_moments]]
     out = [leaf(*args) for args in zip(leaf_names(leaf_view), treedef.flatten_up_to(updates),
-                                       splits(state, treedef), *moments)]
+                                       _row_sharded.recorded(state, treedef), *moments)]
     if not out:
       return updates, state._replace(count=count)
     u, *news = (treedef.unflatten(list(x)) for x in zip(*out))

@@ -42,7 +42,7 @@ def _f32_powers(beta, n):
 
 
 def _is_moments(x):
-  # sparse Adam's state adds ``rows`` (recorded row splits, no arrays)
+  # sparse Adam's state adds ``row_splits`` (no arrays)
   return isinstance(x, tuple) and getattr(x, "_fields", ())[:3] == ("count", "mu", "nu")
 
 
