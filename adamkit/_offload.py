@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from adamkit import _adam, _compat, _masks, _quant, _quant_ops, _validate
+from adamkit import _adam, _compat, _masks, _quant, _quant_ops, _row_sharded, _validate
 from adamkit._fused import FlatMoments, FusedStep
 from adamkit._sparse_types import (
     RowSparse,
@@ -282,6 +282,7 @@ def offload_state(state: Any, params: Any, *, shardings: Any = None,
     >>> {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim}  # the moments
     {'pinned_host'}
   """
+  state = _row_sharded.forget(state)  # no row routing for a host-resident state
   return jax.device_put(
       state, offload_shardings(state, params, shardings=shardings, memory_kind=memory_kind),
       may_alias=False)
@@ -503,7 +504,9 @@ def _host_init(init, mode: str, memory_kind: str):
     check_support(mode, memory_kind, devices)
     if devices is not None:
       _warn_if_uncommitted(params)
-    state = init(params)
+    # The row splits recorded for device-resident steps (adamkit._row_sharded) would
+    # route a host-resident state's step through the mesh: dropped, XLA partitions it.
+    state = _row_sharded.forget(init(params))
     if mode == "compute" and any(map(_quant.is_qarray,
                                      jax.tree.leaves(state, is_leaf=_quant.is_qarray))):
       raise ValueError(

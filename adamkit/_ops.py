@@ -418,10 +418,12 @@ def _leaf_update(h: Hyper, p, g, olds, decay: bool):
 
 def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
               at: Sequence[int | None] | None = None, merge: bool = True,
-              backend: str = "auto"):
+              backend: str = "auto", split: _row_sharded.RowSplit | None = None):
   """Adam's direction on the rows of ``g`` only (repeated ids summed first when ``merge``).
   ``state``: the table's moment buffers (see :func:`dense_step`), buffer ``b`` from offset
-  ``at[b]`` (``None``: table-shaped). Returns ``(ids, u, state)``: distinct ids (padding
+  ``at[b]`` (``None``: table-shaped). ``split``: the table's row split recorded at
+  ``init``, for a step traced where the moments' own is not known (see
+  :mod:`adamkit._row_sharded`). Returns ``(ids, u, state)``: distinct ids (padding
   ``num_rows``, dropped by scatters), one direction row each (compute dtype on XLA,
   float32 on the kernel), the new moments."""
   state, at = _check_row_step(h, g, state, table_shape, at)
@@ -431,7 +433,7 @@ def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
         variant, s, g.indices, g.values, state, row_shape=table_shape[1:],
         num_rows=g.num_rows, offset=at[0] or 0, merge=merge)
     return ids, u, state
-  layout = _row_layout(h, state, at)
+  layout = _row_layout(h, state, at, split)
   if layout is not None:  # a row-sharded table: each shard updates the rows it owns
     m, v = state
     ids, u, m, v = _row_sharded.lazy_rows(
@@ -542,14 +544,15 @@ def _add_rows(p, ids, rows):
   return scatter_rows(p, ids, rows, add=True)
 
 
-def _row_layout(h: Hyper, state, at):
+def _row_layout(h: Hyper, state, at, split=None):
   """The row split of per-leaf Adam moments sharded over several devices (see
   :mod:`adamkit._row_sharded`), or ``None``: XLA's own partitioning then (flat
-  multi-tensor buffers, AdaMax, and AMSGrad's third buffer are not routed)."""
+  multi-tensor buffers, AdaMax, AMSGrad's third buffer and quantized moments are not
+  routed)."""
   if h.kind == "adamax" or h.amsgrad or len(state) != 2 or any(a is not None for a in at) \
      or any(_quant.is_qarray(x) for x in state):
     return None
-  return _row_sharded.same_layout(*state)
+  return _row_sharded.step_layout(split, *state)
 
 
 def _check_row_step(h: Hyper, g, state, table_shape, at):

@@ -20,13 +20,22 @@ Here, inside ``shard_map``:
    (no communication).
 
 Per step and device: about ``k / D`` rows of the table and moments read and written, no
-``(N, dim)`` array. The sharding is known at trace time on meshes with Explicit axes
-(``jax.typeof``) and for concrete arrays; under a jit over Auto axes it is not, and
-adamkit keeps XLA's partitioning (same numbers, every device sees every id).
+``(N, dim)`` array.
+
+Where the split comes from: on meshes with Explicit axes it is part of the arrays' type
+(``jax.typeof``), and a concrete array carries it. Inside a ``jit`` over Auto axes a
+traced array shows its mesh but not how it is split, so the optimizer records each
+table's split at ``init``, from the params (a :class:`RowSplit`, a pytree node without
+leaves, in the state's tree structure: orbax, ``ak.state_dict`` and ``jax.tree.map`` see
+no new array, and ``jit`` keys its cache on it). The step trusts a record only for
+traced moments of the recorded number of rows on the recorded mesh; params abstract or
+traced at ``init`` leave no record, and XLA's partitioning then stays (same numbers,
+every device sees every id).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -37,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from adamkit import _adam
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, _explicit_sharding, safe_ids
+from adamkit._tree import is_tracer
 
 
 class RowLayout(NamedTuple):
@@ -47,9 +57,12 @@ class RowLayout(NamedTuple):
 
 
 def row_layout(x: Any) -> RowLayout | None:
-  """The row split of ``x`` when it is known here and spans several devices, else ``None``."""
+  """The row split of ``x`` when it is known here and spans several devices, else ``None``:
+  known for a concrete array, an array typed on a mesh with Explicit axes, or a
+  ``jax.ShapeDtypeStruct`` that carries a sharding."""
   sharding = _explicit_sharding(x)
-  if sharding is None and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+  if sharding is None and (isinstance(x, jax.ShapeDtypeStruct) or (
+      isinstance(x, jax.Array) and not is_tracer(x))):
     sharding = x.sharding
   if not isinstance(sharding, NamedSharding) or x.ndim < 1:
     return None
@@ -67,6 +80,64 @@ def same_layout(*xs: Any) -> RowLayout | None:
   """The common row layout of ``xs`` (a table and its moments), or ``None``."""
   layouts = [row_layout(x) for x in xs]
   return layouts[0] if layouts[0] is not None and all(t == layouts[0] for t in layouts) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+  """A table's row split recorded at ``init``, for the steps traced where it is not known
+  (``jit`` over Auto axes). A pytree node without children, the split its static data:
+  it adds no leaf to a state, and a state with another split is another ``jit`` key."""
+  layout: RowLayout
+  num_rows: int  # the table's rows: a moment of another size (a slice of it) is not split so
+
+  def __repr__(self) -> str:
+    return f"RowSplit({self.num_rows} rows over {self.layout.axes!r}, {self.layout.num_shards} shards)"
+
+
+jax.tree_util.register_pytree_with_keys(
+    RowSplit, lambda r: ((), (r.layout, r.num_rows)), lambda aux, _: RowSplit(*aux),
+    flatten_func=lambda r: ((), (r.layout, r.num_rows)))
+
+
+def is_split(x: Any) -> bool:
+  return isinstance(x, RowSplit)
+
+
+def record(p: Any) -> RowSplit | None:
+  """The split of param ``p`` to record at ``init`` (see :class:`RowSplit`), or ``None``
+  where it is unknown (a traced param, or one without a sharding) or not a row split."""
+  layout = row_layout(p)
+  return None if layout is None else RowSplit(layout, p.shape[0])
+
+
+def recorded(state: Any, treedef: Any) -> list:
+  """The splits ``state.row_splits`` recorded for the leaves of ``treedef`` (the moments'
+  structure), ``None`` where none was: also for a state made other than by ``init``."""
+  try:
+    return treedef.flatten_up_to(getattr(state, "row_splits", None))
+  except (ValueError, TypeError):
+    return [None] * treedef.num_leaves
+
+
+def forget(tree: Any) -> Any:
+  """``tree`` with every recorded split dropped: its steps keep XLA's partitioning where
+  the split is not known at trace time."""
+  return jax.tree.map(lambda x: None if is_split(x) else x, tree, is_leaf=is_split)
+
+
+def step_layout(split: RowSplit | None, *xs: Any) -> RowLayout | None:
+  """The layout to route a step on ``xs`` (a table's moments) with: theirs where it is
+  known here (concrete arrays, Explicit axes), else the recorded ``split`` when ``xs`` are
+  traced on Auto axes of its mesh with its number of rows; ``None``: XLA's partitioning."""
+  if not all(is_tracer(x) and _explicit_sharding(x) is None for x in xs):
+    return same_layout(*xs)
+  if split is None or any(x.shape[0] != split.num_rows for x in xs):
+    return None
+  # A state moved to other devices since init (one device, another mesh) shows it here.
+  if any(getattr(jax.typeof(x).sharding, "mesh", None) != split.layout.mesh.abstract_mesh
+         for x in xs):
+    return None
+  return split.layout
 
 
 def _rows_spec(layout: RowLayout, ndim: int) -> PartitionSpec:

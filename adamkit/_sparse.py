@@ -24,7 +24,19 @@ import numpy as np
 import optax
 from jax.experimental import checkify
 
-from adamkit import _adam, _backend, _groups, _links, _masks, _ops, _quant, _quant_ops, _schedules, _validate
+from adamkit import (
+    _adam,
+    _backend,
+    _groups,
+    _links,
+    _masks,
+    _ops,
+    _quant,
+    _quant_ops,
+    _row_sharded,
+    _schedules,
+    _validate,
+)
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, check_row_args, is_row_sparse
 from adamkit._tree import leaf_names
@@ -212,6 +224,9 @@ class ScaleBySparseAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates); the global step t of every row
   mu: optax.Updates  # first moment, params' shapes: ``mu_dtype``, the params' dtype, or codes
   nu: optax.Updates  # second moment, params' shapes: ``nu_dtype``, the params' dtype, or codes
+  # No arrays: the params' tree with each row-sharded table's split as seen at init (a
+  # RowSplit node, None elsewhere), so that a step jitted over Auto axes routes its rows.
+  row_splits: Any = None
 
 
 def _init_moments(params, fmt, role: str):
@@ -294,6 +309,14 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   as 0 and never reach a block's scale (``nonfinite="propagate"`` still carries a NaN
   gradient into the update).
 
+  **Row-sharded tables** (``P("rows", None)`` over several devices, float moments): each
+  device updates the touched rows it owns (see ``docs/scaling_out.md``). Under a ``jit``
+  over Auto axes the arrays do not show their split, so ``init`` records it from the
+  params it is given, in the state's tree structure (``row_splits``: a node per table, no
+  arrays). Concrete or ``jax.ShapeDtypeStruct`` params with shardings record it;
+  abstract or traced ones (``jax.jit(tx.init)``) do not, and XLA then partitions the
+  step (the same numbers, every device processing every id).
+
   Args:
     b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
     b2: decay :math:`\beta_2` of the second moment, in [0, 1) (default 0.999).
@@ -370,8 +393,11 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
 
   def init_fn(params):
     _validate.check_float_params(params)
-    return state_type(jnp.zeros([], jnp.int32), *(
-        _init_moments(params, fmt, role) for fmt, role in fmts[:3 if amsgrad else 2]))
+    moments = [_init_moments(params, fmt, role) for fmt, role in fmts[:3 if amsgrad else 2]]
+    if amsgrad:  # three buffers: never routed (see adamkit._ops._row_layout)
+      return state_type(jnp.zeros([], jnp.int32), *moments)
+    return state_type(jnp.zeros([], jnp.int32), *moments,
+                      row_splits=jax.tree.map(_row_sharded.record, params))
 
   def update_fn(updates, state, params=None):
     _validate.check_state(state, state_type, "ak.scale_by_sparse_adam", updates)
@@ -386,7 +412,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     h = _ops.Hyper(eps_mode, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, amsgrad=amsgrad)
 
-    def leaf(name, g, *olds):  # olds: (m, v) or (m, v, v_max)
+    def leaf(name, g, split, *olds):  # olds: (m, v) or (m, v, v_max)
       for x, what, (fmt, role) in zip(olds, _ops.STATE_NAMES, fmts):
         _check_format(name, x, fmt, role, what)
       if isinstance(g, RowSparse):
@@ -395,7 +421,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
           _ops.check_moments(x, None, olds[0].shape, f"{what} of '{name}'")
       if isinstance(g, RowSparse) and lazy:
         ids, u, news = _ops.lazy_rows(h, g, olds, table_shape=olds[0].shape,
-                                      merge=not unique_ids, backend=backend)
+                                      merge=not unique_ids, backend=backend, split=split)
         return RowSparse.of(ids, u.astype(g.dtype), g.num_rows), *news
       if isinstance(g, RowSparse):
         g = g.todense(like=None if _quant.is_qarray(olds[0]) else olds[0])
@@ -404,13 +430,14 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
       return u.astype(g.dtype), *(_quant.store(n, o) for n, o in zip(news, olds))
 
     treedef = jax.tree.structure(state.nu, is_leaf=_quant.is_qarray)
-    moments = [jax.tree.leaves(t, is_leaf=_quant.is_qarray) for t in state[1:]]  # mu, nu, ...
+    n_moments = 3 if amsgrad else 2  # mu, nu(, nu_max); then the recorded splits
+    moments = [jax.tree.leaves(t, is_leaf=_quant.is_qarray) for t in state[1:1 + n_moments]]
     out = [leaf(*args) for args in zip(leaf_names(leaf_view), treedef.flatten_up_to(updates),
-                                       *moments)]
+                                       _row_sharded.recorded(state, treedef), *moments)]
     if not out:
       return updates, state._replace(count=count)
     u, *news = (treedef.unflatten(list(x)) for x in zip(*out))
-    return u, state_type(count, *news)
+    return u, state._replace(count=count, **dict(zip(state._fields[1:], news)))
 
   return optax.GradientTransformation(init_fn, update_fn)
 

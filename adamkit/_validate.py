@@ -262,10 +262,10 @@ def float_grads(updates: Any, params: Any = None) -> Any:
 
 def check_state(state: Any, want: type, optimizer: str, updates: Any) -> None:
   """``state`` must be a ``want`` (the state type made by ``optimizer``'s ``init``) whose
-  moment fields (every field but ``count``) are trees of the gradients' structure with a
-  floating-point (or complex) leaf of each gradient's shape. Errors name the field and the
-  leaf; a moment of shape ``(1,)`` would otherwise broadcast, and an integer one truncate,
-  without a word."""
+  moment fields (all but ``count`` and ``row_splits``) are trees of the gradients'
+  structure with a floating-point (or complex) leaf of each gradient's shape. Errors name
+  the field and the leaf; a moment of shape ``(1,)`` would otherwise broadcast, and an
+  integer one truncate, without a word."""
   if not isinstance(state, want):
     raise TypeError(
         f"{optimizer} takes the {want.__name__} made by its own `init`, got "
@@ -275,7 +275,7 @@ def check_state(state: Any, want: type, optimizer: str, updates: Any) -> None:
   u_def = jax.tree.structure(updates, is_leaf=is_row_sparse)
   flat = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_row_sparse)[0]
   for field in want._fields:
-    if field == "count":
+    if field in ("count", "row_splits"):  # no arrays: see adamkit._row_sharded.RowSplit
       continue
     moments = getattr(state, field)  # a quantized moment (codes, scales) is one leaf here
     if jax.tree.structure(moments, is_leaf=_quant.is_qarray) != u_def:

@@ -10,13 +10,19 @@ state donated) on an ``(N, D)`` float32 table with ``k`` random ids, timed inter
   mesh with an Explicit axis: each device updates the rows it owns (adamkit/_row_sharded.py);
 * ``8 devices, unrouted``: the same table with the routing switched off, i.e. XLA's own
   partitioning of the gathers and scatters (every device processes all k ids): the path
-  of adamkit before issue 12.
+  of adamkit before issue 12;
+* ``8 devices, Auto axes, routed``: the common code, ``Mesh(devices, ("rows",))`` (an
+  Auto axis) and ``jax.jit`` of the step: routed with the split that ``init`` recorded
+  from the concrete params;
+* ``8 devices, Auto axes, unrouted``: the same with the record dropped (as after an
+  ``init`` on abstract or traced params): XLA's partitioning, adamkit's path on Auto
+  axes before issue 21.
 
 The 8 "devices" are XLA:CPU host devices sharing this machine's cores, so the ratio
 shows what routing saves in work per device, not a real 8-chip speed-up.
 
 Run:  python benchmarks/bench_row_sharded.py [--rows 4000000] [--dim 64] [--k 4096]
-      [--reps 30] [--with-xla]
+      [--reps 30] [--with-xla] [--no-auto]
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import sys  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,8 +71,13 @@ def make_runner(table, ids, values, backend, routed=True):
 
   params = {"emb": table}
   state = tx.init(params)
+  if not routed:  # Auto axes: no split recorded; Explicit axes: none read from the types
+    state = _row_sharded.forget(state)
   with contextlib.nullcontext() if routed else unrouted():
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, ids, values).compile()
+    traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, ids, values)
+    compiled = traced.lower().compile()
+  sharded = len(table.sharding.device_set) > 1
+  assert ("shard_map" in str(traced.jaxpr)) == (routed and sharded), "routing not as named"
   return common.stateful_runner(compiled, (params, state), (ids, values))
 
 
@@ -77,6 +88,7 @@ def main():
   ap.add_argument("--k", type=int, default=4096)
   ap.add_argument("--reps", type=int, default=30)
   ap.add_argument("--with-xla", action="store_true")
+  ap.add_argument("--no-auto", action="store_true", help="skip the two Auto-axes contenders")
   args = ap.parse_args()
   n, dim, k = args.rows - args.rows % 8, args.dim, args.k
 
@@ -86,20 +98,25 @@ def main():
   values = rng.standard_normal((k, dim)).astype(np.float32)
 
   one = jax.devices()[0]
-  mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Explicit,))
-  rows, rep = NamedSharding(mesh, P("rows", None)), NamedSharding(mesh, P())
+  explicit = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Explicit,))
+  auto = Mesh(np.array(jax.devices()[:8]), ("rows",))  # Auto axes: the common code
 
   def on_one():
     return jax.device_put(host, one), jax.device_put(ids, one), jax.device_put(values, one)
 
-  def on_mesh():
+  def on_mesh(mesh):
+    rows, rep = NamedSharding(mesh, P("rows", None)), NamedSharding(mesh, P())
     return jax.device_put(host, rows), jax.device_put(ids, rep), jax.device_put(values, rep)
 
   runners = {"1 device": make_runner(*on_one(), "auto")}
   if args.with_xla:
     runners["1 device, xla"] = make_runner(*on_one(), "xla")
-  runners["8 devices, routed"] = make_runner(*on_mesh(), "auto")
-  runners["8 devices, unrouted"] = make_runner(*on_mesh(), "auto", routed=False)
+  runners["8 devices, routed"] = make_runner(*on_mesh(explicit), "auto")
+  runners["8 devices, unrouted"] = make_runner(*on_mesh(explicit), "auto", routed=False)
+  if not args.no_auto:
+    runners["8 devices, Auto axes, routed"] = make_runner(*on_mesh(auto), "auto")
+    runners["8 devices, Auto axes, unrouted"] = make_runner(*on_mesh(auto), "auto",
+                                                            routed=False)
 
   times = common.interleave(runners, args.reps)
   base = common.median_ms(times["1 device"])

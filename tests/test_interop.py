@@ -42,7 +42,8 @@ def _f32_powers(beta, n):
 
 
 def _is_moments(x):
-  return isinstance(x, tuple) and getattr(x, "_fields", None) == ("count", "mu", "nu")
+  # sparse Adam's state adds ``row_splits`` (no arrays)
+  return isinstance(x, tuple) and getattr(x, "_fields", ())[:3] == ("count", "mu", "nu")
 
 
 def _moments(state):

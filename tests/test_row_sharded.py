@@ -2,7 +2,10 @@
 
 The routed path (adamkit/_row_sharded.py) must give the one-device numbers bit for bit,
 including ids that pile onto one shard (several rounds), repeated ids, out-of-range ids
-dropped inside jit, and never hold an (N, dim) array.
+dropped inside jit, and never hold an (N, dim) array. On meshes with Auto axes a jitted
+step routes with the split recorded at init (the jaxpr holds the shard_map), and keeps
+XLA's partitioning where init saw no split (abstract or traced params) or the state has
+left the recorded mesh.
 """
 
 import jax
@@ -18,8 +21,21 @@ from adamkit import _row_sharded
 N, DIM, K = 4096, 8, 512
 
 
-def _mesh(shape=(8,), names=("rows",)):
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+def _mesh(shape=(8,), names=("rows",), axis_type=AxisType.Explicit):
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def _routed(fn, *args) -> bool:
+  """Whether jitted ``fn`` on ``args`` runs the per-device lazy step (a shard_map)."""
+  return "shard_map" in str(jax.jit(fn).trace(*args).jaxpr)
+
+
+def _step(tx, n=N):
+  def step(params, state, ids, values):
+    grads = {"emb": ak.RowSparse.tree_unflatten(n, (ids, values))}
+    updates, state = tx.update(grads, state, params)
+    return ak.apply_updates(params, updates, backend="xla"), state
+  return step
 
 
 def _ids(kind, rng):
@@ -32,22 +48,23 @@ def _ids(kind, rng):
   return np.concatenate([rng.integers(0, N, K - 3), [-1, N, 5]])  # dropped inside jit
 
 
-def _train(params, ids, values, tx, steps=2):
-  @jax.jit
-  def step(params, state, ids, values):
-    grads = {"emb": ak.RowSparse.tree_unflatten(N, (ids, values))}
-    updates, state = tx.update(grads, state, params)
-    return ak.apply_updates(params, updates, backend="xla"), state
-
-  state = tx.init(params)
+def _train(params, ids, values, tx, steps=2, state=None):
+  step = jax.jit(_step(tx))
+  state = tx.init(params) if state is None else state
   for _ in range(steps):
     params, state = step(params, state, ids, values)
   return params, state
 
 
+def _assert_same(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 @pytest.mark.parametrize("kind", ["uniform", "one_shard", "repeats", "bad_ids"])
 @pytest.mark.parametrize("unique_ids", [False, True])
-def test_sparse_adam_equals_one_device(kind, unique_ids):
+def test_sparse_adam_equals_one_device(kind, unique_ids, axis_type):
   rng = np.random.default_rng(0)
   table = rng.standard_normal((N, DIM)).astype(np.float32)
   ids = _ids(kind, rng).astype(np.int32)
@@ -55,20 +72,136 @@ def test_sparse_adam_equals_one_device(kind, unique_ids):
     ids = np.unique(ids)
   values = rng.standard_normal((len(ids), DIM)).astype(np.float32)
   tx = ak.sparse_adam(0.1, weight_decay=0.01, unique_ids=unique_ids, backend="xla")
-  mesh = _mesh()
+  mesh = _mesh(axis_type=axis_type)
   rows, rep = NamedSharding(mesh, P("rows", None)), NamedSharding(mesh, P())
   sharded = {"emb": jax.device_put(table, rows)}
   assert _row_sharded.row_layout(sharded["emb"]).num_shards == 8
+  batch = jax.device_put(ids, rep), jax.device_put(values, rep)
+  assert _routed(_step(tx), sharded, tx.init(sharded), *batch)
 
   one = _train({"emb": jnp.asarray(table)}, ids, values, tx)
-  eight = _train(sharded, jax.device_put(ids, rep), jax.device_put(values, rep), tx)
-  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(eight), strict=True):
-    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  eight = _train(sharded, *batch, tx)
+  _assert_same(one, eight)
   assert eight[0]["emb"].sharding.is_equivalent_to(rows, 2)
   moments = [x for x in jax.tree.leaves(eight[1]) if x.shape == (N, DIM)]
   assert len(moments) == 2 and all(x.sharding.is_equivalent_to(rows, 2) for x in moments)
   moved = np.flatnonzero(np.any(np.asarray(eight[0]["emb"]) != table, axis=1))
   np.testing.assert_array_equal(moved, np.unique(ids[(ids >= 0) & (ids < N)]))
+
+
+def _auto_table(rng, shape=(8,), names=("rows",)):
+  mesh = _mesh(shape, names, AxisType.Auto)
+  axes = names if len(names) > 1 else names[0]
+  rows, rep = NamedSharding(mesh, P(axes, None)), NamedSharding(mesh, P())
+  table = rng.standard_normal((N, DIM)).astype(np.float32)
+  ids = rng.integers(0, N, K).astype(np.int32)
+  values = rng.standard_normal((K, DIM)).astype(np.float32)
+  return table, {"emb": jax.device_put(table, rows)}, (jax.device_put(ids, rep),
+                                                       jax.device_put(values, rep))
+
+
+def test_auto_axes_two_axis_split_and_one_trace():
+  """Rows over both Auto axes of a 2 x 4 mesh; the split is static data of the state: the
+  second step reuses the first's trace."""
+  rng = np.random.default_rng(3)
+  table, sharded, batch = _auto_table(rng, (2, 4), ("data", "model"))
+  tx = ak.sparse_adam(0.1, weight_decay=0.01, nesterov=True, backend="xla")
+  state = tx.init(sharded)
+  traces = []
+  step = jax.jit(lambda *a: traces.append(1) or _step(tx)(*a))
+  assert _routed(_step(tx), sharded, state, *batch)
+  params = sharded
+  for _ in range(3):
+    params, state = step(params, state, *batch)
+  assert len(traces) == 1
+  _assert_same(_train({"emb": jnp.asarray(table)}, *batch, tx, steps=3), (params, state))
+
+
+def test_auto_axes_split_unknown_at_init_keeps_xla():
+  """Params traced or abstract at init leave no record: XLA partitions the step, with the
+  same numbers. A ShapeDtypeStruct carrying the sharding records it (a restore target)."""
+  rng = np.random.default_rng(4)
+  table, sharded, batch = _auto_table(rng)
+  tx = ak.sparse_adam(0.1, backend="xla")
+  one = _train({"emb": jnp.asarray(table)}, *batch, tx)
+  for state in (jax.jit(tx.init)(sharded), jax.eval_shape(tx.init, sharded)):
+    assert not any(_row_sharded.is_split(x) for x in
+                   jax.tree.leaves(state, is_leaf=_row_sharded.is_split))
+  state = jax.jit(tx.init)(sharded)
+  assert not _routed(_step(tx), sharded, state, *batch)
+  _assert_same(one, _train(sharded, *batch, tx, state=state))
+
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          sharded)
+  assert jax.tree.structure(tx.init(abstract)) == jax.tree.structure(tx.init(sharded))
+
+
+def test_auto_axes_state_off_its_mesh_keeps_xla():
+  """A routed state whose arrays now live elsewhere (made afresh on one device, or on
+  another mesh) is not routed: the step runs where its arrays are."""
+  rng = np.random.default_rng(5)
+  table, sharded, batch = _auto_table(rng)
+  tx = ak.sparse_adam(0.1, backend="xla")
+  state = tx.init(sharded)
+  one = _train({"emb": jnp.asarray(table)}, *batch, tx)
+  dev = jax.devices()[0]
+  params, state, batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), dev),
+                                      (sharded, state, batch))
+  assert not _routed(_step(tx), params, state, *batch)
+  _assert_same(one, _train(params, *batch, tx, state=state))
+
+  other = _mesh((2, 4), ("a", "b"), AxisType.Auto)
+  put = lambda x: jax.device_put(np.asarray(x), NamedSharding(  # noqa: E731
+      other, P(("a", "b")) if np.ndim(x) else P()))
+  params, state = jax.tree.map(put, (sharded, tx.init(sharded)))
+  assert not _routed(_step(tx), params, state, *batch)
+
+
+def test_auto_axes_groups_checkpoints_and_offload(tmp_path):
+  """The record survives parameter groups, ak.state_dict / ak.load_state_dict and an orbax
+  restore into a fresh init; checkpoints do not depend on it; an offloaded state (host
+  memory) carries none."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  rng = np.random.default_rng(6)
+  table, sharded, batch = _auto_table(rng)
+  rep = NamedSharding(sharded["emb"].sharding.mesh, P())
+  params = {**sharded, "w": jax.device_put(jnp.ones(3), rep)}
+  tx = ak.sparse_adam(0.1, groups=[ak.Group("w", lr=0.01)], backend="xla")
+
+  def step(params, state, ids, values):
+    grads = {"emb": ak.RowSparse.tree_unflatten(N, (ids, values)), "w": jnp.ones(3)}
+    updates, state = tx.update(grads, state, params)
+    return ak.apply_updates(params, updates, backend="xla"), state
+
+  state = tx.init(params)
+  assert _routed(step, params, state, *batch)
+  one_p = {"emb": jnp.asarray(table), "w": jnp.ones(3)}
+  one = jax.jit(step)(one_p, tx.init(one_p), *batch)
+  params, state = jax.jit(step)(params, state, *batch)  # every leaf on the mesh now
+  _assert_same(one, (params, state))
+  one = jax.jit(step)(*one, *batch)
+
+  flat = ak.state_dict(state)
+  assert all(name.endswith(("moment1", "moment2", "step")) or name.startswith("state.")
+             for name in flat)
+  restored = ak.load_state_dict(flat, tx.init(params))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(tmp_path / "routed", state)
+  ckptr.wait_until_finished()
+  # The structure of an init that saw no split, the placement of the live state.
+  unrouted = jax.tree.structure(jax.eval_shape(tx.init, params)).unflatten(
+      jax.tree.leaves(state))
+  for like in (state, unrouted):  # either record restores from the same files
+    back = ckptr.restore(tmp_path / "routed", jax.tree.map(ocp.utils.to_shape_dtype_struct, like))
+    assert jax.tree.structure(back) == jax.tree.structure(like)
+    assert _routed(step, params, back, *batch) == (like is state)
+    _assert_same(one, jax.jit(step)(params, back, *batch))
+
+  off = ak.offload(ak.sparse_adam(0.1, backend="xla"), mode="state").init(sharded)
+  assert not any(_row_sharded.is_split(x)
+                 for x in jax.tree.leaves(off, is_leaf=_row_sharded.is_split))
 
 
 def test_two_axis_row_split_and_fused_op():
@@ -100,10 +233,11 @@ def test_empty_gradient():
   np.testing.assert_array_equal(np.asarray(new["emb"]), 1.0)
 
 
-def test_no_table_sized_temporaries():
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_no_table_sized_temporaries(axis_type):
   """The compiled step holds no (N, dim) array beyond the donated table and moments: its
   scratch per device is far below one shard of the table."""
-  mesh = _mesh()
+  mesh = _mesh(axis_type=axis_type)
   rows, rep = NamedSharding(mesh, P("rows", None)), NamedSharding(mesh, P())
   n = 1 << 16
   tx = ak.sparse_adam(0.1, backend="xla")
