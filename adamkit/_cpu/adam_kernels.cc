@@ -569,16 +569,18 @@ constexpr int64_t kBook = 256;          // codes per book
 constexpr int64_t kMaxBlock = 1 << 20;  // elements per block (bounds the scratch)
 constexpr float kScaleFloor = 1e-12f;   // _quant.SCALE_FLOOR
 
-// The nearest-code search. A table indexed by a float's sign, exponent and top 9 mantissa
-// bits (a bucket) gives the number of midpoints below the bucket and the one midpoint
-// inside it, if any (the dynamic maps' closest midpoints are 0.35% apart, a bucket at most
-// 0.2% wide): the code is that count plus one if r is at or above the midpoint. Inside a
-// bucket every float shares its sign, exponent and top bits, so the comparison is one of
-// the 14 low bits, flipped for negative floats (where a larger magnitude is a smaller
-// value); table entry = count | low bits << 8, "no midpoint" = 2^14. One gather per eight
-// codes. The first bucket of each sign takes every |r| below 2^-24 too, the last every
-// |r| from the top of [1, 2) up; neither may hold a midpoint. A code book that breaks these
-// rules falls back to a binary search.
+// The nearest-code search. A float r is mapped to an order-preserving int32 key t (its bits,
+// the magnitude bits flipped for a negative float, so that t orders as r does); the top 18
+// bits of t (sign, exponent, 9 mantissa bits) name a bucket, and a table gives per bucket the
+// number of midpoints below it and the one midpoint inside it, if any (the dynamic maps'
+// closest midpoints are 0.35% apart, a bucket at most 0.2% wide). Entry = count << 14 plus
+// 2^14 minus the midpoint's low 14 bits of t (0 for no midpoint), so that
+// code = (entry + low bits of t) >> 14: the sum carries into the count exactly when r is at
+// or above the midpoint. Buckets cover |r| < 2 (the encoder's r is at most 1 + 2^-23); the
+// keys are clamped to them, the two end buckets holding no midpoint. A code book whose
+// midpoints break these rules (two in a bucket, a midpoint at 0 or past the ends) falls
+// back to a binary search. The table is 512 KiB, of which a step touches the buckets of
+// the values it meets.
 class CodeSearch {
  public:
   // False when the midpoints are not finite and sorted.
@@ -588,27 +590,25 @@ class CodeSearch {
       mid_[i] = mid[i];
     }
     mid_[kBook - 1] = INFINITY;  // never <= a finite r
+    int32_t keys[kBook - 1];
     table_ok_ = true;
-    for (int64_t sign = 0; sign < 2; ++sign) {
-      for (int64_t k = 0; k < kBuckets; ++k) {
-        float lo, hi;
-        const bool wide = Bucket(k, &lo, &hi);
-        if (sign) {  // the negative floats of those magnitudes
-          const float neg_lo = -hi;
-          hi = -lo;
-          lo = neg_lo;
-        }
-        const int64_t below = std::lower_bound(mid_, mid_ + kBook - 1, lo) - mid_;
-        const int64_t upto = std::upper_bound(mid_, mid_ + kBook - 1, hi) - mid_;
-        int32_t low = kNever;
-        if (upto > below) {
-          table_ok_ = table_ok_ && upto - below == 1 && !wide;
-          uint32_t bits;
-          std::memcpy(&bits, &mid_[below], 4);
-          low = static_cast<int32_t>((bits & kLow) ^ (sign ? kLow : 0u));
-        }
-        entry_[sign * kBuckets + k] = static_cast<int32_t>(below) | (low << 8);
+    for (int64_t i = 0; i < kBook - 1; ++i) {
+      keys[i] = Key(mid_[i]);
+      table_ok_ = table_ok_ && mid_[i] != 0.0f;  // -0.0 and +0.0 have two keys
+    }
+    table_.assign(2 * kHalf, 0);
+    for (int64_t k = -kHalf; k < kHalf; ++k) {
+      // The keys [lo, hi] of bucket k; the end buckets take every key beyond them.
+      const int64_t lo = k == -kHalf ? INT32_MIN : k * (kLow + 1);
+      const int64_t hi = k == kHalf - 1 ? INT32_MAX : k * (kLow + 1) + kLow;
+      const int64_t below = std::lower_bound(keys, keys + kBook - 1, lo) - keys;
+      const int64_t upto = std::upper_bound(keys, keys + kBook - 1, hi) - keys;
+      int32_t entry = static_cast<int32_t>(below << kShift);
+      if (upto > below) {
+        table_ok_ = table_ok_ && upto - below == 1 && k != -kHalf && k != kHalf - 1;
+        entry += static_cast<int32_t>((kLow + 1) - (keys[below] & kLow));
       }
+      table_[k + kHalf] = entry;
     }
     return true;
   }
@@ -620,69 +620,66 @@ class CodeSearch {
     if (!table_ok_) {
       return static_cast<uint8_t>(std::upper_bound(mid_, mid_ + kBook - 1, r) - mid_);
     }
-    uint32_t bits;
-    std::memcpy(&bits, &r, 4);
-    const int32_t k = std::min(std::max(static_cast<int32_t>((bits & 0x7FFFFFFFu) >> kShift), kFirst),
-                               kLast) - kFirst;
-    const int32_t entry = entry_[(bits >> 31) * kBuckets + k];
-    const int32_t low = static_cast<int32_t>((bits & kLow) ^ ((bits >> 31) ? kLow : 0u));
-    return static_cast<uint8_t>((entry & 0xFF) + (low >= (entry >> 8)));
+    const int32_t t = Key(r);
+    const int32_t k = std::min(std::max(t >> kShift, -kHalf), kHalf - 1);
+    return static_cast<uint8_t>((table_[k + kHalf] + (t & kLow)) >> kShift);
   }
 
 #ifdef ADAMKIT_AVX2
+  // Code() of each lane of r, as int32 lanes (needs fast()). nonneg: r >= +0 in every lane.
+  template <bool nonneg>
+  __attribute__((target("avx2"), always_inline)) inline __m256i Codes8(__m256 r) const {
+    __m256i t = _mm256_castps_si256(r);
+    if (!nonneg) t = _mm256_xor_si256(t, _mm256_srli_epi32(_mm256_srai_epi32(t, 31), 1));
+    const __m256i k = _mm256_min_epi32(
+        _mm256_max_epi32(_mm256_srai_epi32(t, kShift), _mm256_set1_epi32(-kHalf)),
+        _mm256_set1_epi32(kHalf - 1));
+    const __m256i entry = _mm256_i32gather_epi32(table_.data() + kHalf, k, 4);
+    return _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(t, _mm256_set1_epi32(kLow))),
+                             kShift);
+  }
+
   // Code() of x[i] * inv for i < n (a multiple of 8), eight at a time (needs fast()).
   __attribute__((target("avx2"))) void CodesAvx2(const float* x, float inv, int64_t n,
                                                  uint8_t* out) const {
     const __m256 vinv = _mm256_set1_ps(inv);
-    const __m256i byte = _mm256_set1_epi32(0xFF), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m256i low_bits = _mm256_set1_epi32(kLow), one = _mm256_set1_epi32(1);
-    const __m256i first = _mm256_set1_epi32(kFirst), last = _mm256_set1_epi32(kLast);
     for (int64_t i = 0; i < n; i += 8) {
-      const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
-      const __m256i bits = _mm256_castps_si256(r);
-      const __m256i k = _mm256_sub_epi32(
-          _mm256_min_epi32(_mm256_max_epi32(
-                               _mm256_srli_epi32(_mm256_and_si256(bits, magnitude), kShift), first),
-                           last),
-          first);
-      const __m256i sign = _mm256_srai_epi32(bits, 31);  // all ones for a negative float
-      const __m256i idx = _mm256_add_epi32(k, _mm256_and_si256(sign, _mm256_set1_epi32(kBuckets)));
-      const __m256i entry = _mm256_i32gather_epi32(entry_, idx, 4);
-      const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low_bits),
-                                           _mm256_and_si256(sign, low_bits));
-      const __m256i code = _mm256_add_epi32(  // count + 1 - (midpoint's bits > r's bits)
-          _mm256_add_epi32(_mm256_and_si256(entry, byte), one),
-          _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 8), low));
+      const __m256i code = Codes8<false>(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
       const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(code),
                                            _mm256_extracti128_si256(code, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packus_epi16(c16, c16));
     }
   }
+
+  // Codes8 on sixteen lanes.
+  template <bool nonneg>
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"), always_inline)) inline __m512i
+  Codes16(__m512 r) const {
+    __m512i t = _mm512_castps_si512(r);
+    if (!nonneg) t = _mm512_xor_si512(t, _mm512_srli_epi32(_mm512_srai_epi32(t, 31), 1));
+    const __m512i k = _mm512_min_epi32(
+        _mm512_max_epi32(_mm512_srai_epi32(t, kShift), _mm512_set1_epi32(-kHalf)),
+        _mm512_set1_epi32(kHalf - 1));
+    const __m512i entry = _mm512_i32gather_epi32(k, table_.data() + kHalf, 4);
+    return _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(t, _mm512_set1_epi32(kLow))),
+                             kShift);
+  }
 #endif
 
  private:
-  static constexpr int32_t kBits = 9;  // mantissa bits of a bucket
-  static constexpr int32_t kShift = 23 - kBits;
-  // A bucket is a magnitude's bits >> kShift (exponent and top mantissa bits), clamped to
-  // [kFirst, kLast]: from 2^-24 to the top of [1, 2).
-  static constexpr int32_t kFirst = (127 - 24) << kBits, kLast = (128 << kBits) - 1;
-  static constexpr int32_t kBuckets = kLast - kFirst + 1;  // per sign
-  static constexpr uint32_t kLow = (1u << kShift) - 1;  // the bits below a bucket's
-  static constexpr int32_t kNever = 1 << kShift;      // above any low bits: no midpoint
+  static constexpr int32_t kShift = 14;                 // the low bits of t below a bucket
+  static constexpr int32_t kLow = (1 << kShift) - 1;
+  static constexpr int32_t kHalf = 128 << (23 - kShift);  // buckets of |r| < 2, per sign
 
-  // The magnitudes [lo, hi] of bucket k; the first starts at 0, the last ends at +inf:
-  // true for those two (their low bits do not order their values).
-  static bool Bucket(int64_t k, float* lo, float* hi) {
-    uint32_t a = static_cast<uint32_t>(kFirst + k) << kShift, b = a | kLow;
-    std::memcpy(lo, &a, 4);
-    std::memcpy(hi, &b, 4);
-    if (k == 0) *lo = 0.0f;
-    if (k == kBuckets - 1) *hi = INFINITY;
-    return k == 0 || k == kBuckets - 1;
+  // The order-preserving key of a float that is not NaN (-0.0 is -1, +0.0 is 0).
+  static int32_t Key(float r) {
+    int32_t bits;
+    std::memcpy(&bits, &r, 4);
+    return bits ^ static_cast<int32_t>(static_cast<uint32_t>(bits >> 31) >> 1);
   }
 
   float mid_[kBook];  // the 255 midpoints, then +inf (the binary search's)
-  int32_t entry_[2 * kBuckets];
+  std::vector<int32_t> table_;
   bool table_ok_ = false;
 };
 
@@ -810,15 +807,203 @@ void Decode(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
   DecodeBlock(b, block, blk, c, x);
 }
 
+// The AVX2 pass over a leaf's whole blocks when every state buffer is 8-bit and the step
+// has no AMSGrad (the other cases take RunBlocks' general path, which this mirrors bit for
+// bit). Block by block, in one loop over groups of eight elements: decode m and v (a gather
+// from the code book each), the step (QStep8: Update's operations in the same order, no
+// FMA), sanitize, store the new moments in a stack buffer and keep the block's largest
+// magnitudes; then the block's scales. The codes of block j are encoded in the same loop
+// as the step of block j + 1, so that the encode's integer work and gathers fill the time
+// the divider spends on the step's sqrt and division.
+#ifdef ADAMKIT_AVX2
+constexpr int64_t kFastMaxBlock = 1024;  // the stack buffers' block size bound
+
+// The scalars of Scalars, broadcast (lr negated once, as Update's -k.lr).
+struct Scalars8 {
+  __m256 b1, omb1, b2, omb2, eps, neg_lr, wd, c1, c2;
+};
+
+template <int64_t kind, bool nesterov, int64_t decay>
+__attribute__((target("avx2"), always_inline)) inline void QStep8(const Scalars8& k, __m256 g,
+                                                                  __m256& p, __m256& m,
+                                                                  __m256& v) {
+  if (decay == kL2) g = _mm256_add_ps(g, _mm256_mul_ps(k.wd, p));
+  const __m256 mi = _mm256_add_ps(_mm256_mul_ps(k.b1, m), _mm256_mul_ps(k.omb1, g));
+  __m256 vi, u;
+  if (kind == kAdamax) {
+    // std::max(b2 * v, |g|): the first operand unless the second is larger (NaN: the first).
+    const __m256 abs_g = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g);
+    vi = _mm256_max_ps(abs_g, _mm256_mul_ps(k.b2, v));
+    u = _mm256_div_ps(mi, _mm256_mul_ps(k.c1, _mm256_add_ps(vi, k.eps)));
+  } else {
+    vi = _mm256_add_ps(_mm256_mul_ps(k.b2, v), _mm256_mul_ps(k.omb2, _mm256_mul_ps(g, g)));
+    const __m256 n =
+        nesterov ? _mm256_add_ps(_mm256_mul_ps(k.b1, mi), _mm256_mul_ps(k.omb1, g)) : mi;
+    if (kind == kAdamHat) {
+      u = _mm256_div_ps(_mm256_mul_ps(k.c1, n), _mm256_add_ps(_mm256_sqrt_ps(vi), k.eps));
+    } else {
+      u = _mm256_div_ps(_mm256_mul_ps(n, k.c1),
+                        _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, k.c2)), k.eps));
+    }
+  }
+  m = mi;
+  v = vi;
+  if (decay == kDecoupled) u = _mm256_add_ps(u, _mm256_mul_ps(k.wd, p));
+  p = _mm256_add_ps(p, _mm256_mul_ps(k.neg_lr, u));
+}
+
+// Sanitize() on eight values: non-finite to 0, and (nonneg) negative to 0.
+template <bool nonneg>
+__attribute__((target("avx2"), always_inline)) inline __m256 QSanitize8(__m256 x) {
+  const __m256i exp = _mm256_set1_epi32(0x7F800000);
+  const __m256i bits = _mm256_castps_si256(x);
+  x = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(bits, exp), exp)), x);
+  return nonneg ? _mm256_max_ps(x, _mm256_setzero_ps()) : x;
+}
+
+__attribute__((target("avx2"), always_inline)) inline __m256 QDecode8(const uint8_t* code,
+                                                                      const float* book,
+                                                                      __m256 scale) {
+  const __m256i k = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
+  return _mm256_mul_ps(_mm256_i32gather_ps(book, k, 4), scale);
+}
+
+template <bool nonneg>
+__attribute__((target("avx2"), always_inline)) inline void QEncode8(const CodeSearch& search,
+                                                                    const float* x, __m256 inv,
+                                                                    uint8_t* out) {
+  const __m256i code = search.Codes8<nonneg>(_mm256_mul_ps(_mm256_load_ps(x), inv));
+  const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(c16, c16));
+}
+
+__attribute__((target("avx2"))) inline float QMax8(__m256 x) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  return *std::max_element(lanes, lanes + 8);
+}
+
+// Blocks [j0, j1) of leaf l, all whole, with bufs[0] (m) and bufs[1] (v) quantized.
+template <int64_t kind, bool nesterov, int64_t decay, bool encode_prev>
+__attribute__((target("avx2"), always_inline)) inline void QBlockAvx2(
+    const Scalars8& k, const QBuffer* bufs, int64_t block, float* p, const float* g,
+    int64_t blk_m, int64_t blk_v, float* xm, float* xv, const float* prev_m,
+    const float* prev_v, __m256 inv_m, __m256 inv_v, uint8_t* prev_code_m,
+    uint8_t* prev_code_v) {
+  const uint8_t* code_m = bufs[0].codes + blk_m * block;
+  const uint8_t* code_v = bufs[1].codes + blk_v * block;
+  const __m256 scale_m = _mm256_set1_ps(bufs[0].scales[blk_m]);
+  const __m256 scale_v = _mm256_set1_ps(bufs[1].scales[blk_v]);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax_m = _mm256_setzero_ps(), amax_v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < block; i += 8) {
+    __m256 m = QDecode8(code_m + i, bufs[0].book, scale_m);
+    __m256 v = QDecode8(code_v + i, bufs[1].book, scale_v);
+    __m256 pi = _mm256_loadu_ps(p + i);
+    QStep8<kind, nesterov, decay>(k, _mm256_loadu_ps(g + i), pi, m, v);
+    _mm256_storeu_ps(p + i, pi);
+    m = QSanitize8<false>(m);
+    v = QSanitize8<true>(v);
+    _mm256_store_ps(xm + i, m);
+    _mm256_store_ps(xv + i, v);
+    amax_m = _mm256_max_ps(amax_m, _mm256_and_ps(m, magnitude));
+    amax_v = _mm256_max_ps(amax_v, _mm256_and_ps(v, magnitude));
+    if (encode_prev) {
+      QEncode8<false>(*bufs[0].search, prev_m + i, inv_m, prev_code_m + i);
+      QEncode8<true>(*bufs[1].search, prev_v + i, inv_v, prev_code_v + i);
+    }
+  }
+  bufs[0].scales[blk_m] = std::max(QMax8(amax_m), kScaleFloor);
+  bufs[1].scales[blk_v] = std::max(QMax8(amax_v), kScaleFloor);
+}
+
+template <int64_t kind, bool nesterov, int64_t decay>
+__attribute__((target("avx2"))) void QuantBlocksAvx2(const QLeaf& l, const QBuffer* bufs,
+                                                     int64_t block, const float* s, int64_t j0,
+                                                     int64_t j1) {
+  const Scalars sc = LoadScalars(s);
+  const Scalars8 k{_mm256_set1_ps(sc.b1),   _mm256_set1_ps(sc.omb1), _mm256_set1_ps(sc.b2),
+                   _mm256_set1_ps(sc.omb2), _mm256_set1_ps(sc.eps),  _mm256_set1_ps(-sc.lr),
+                   _mm256_set1_ps(sc.wd),   _mm256_set1_ps(sc.c1),   _mm256_set1_ps(sc.c2)};
+  alignas(32) float x[2][2][kFastMaxBlock];  // [block parity][m, v]
+  const __m256 none = _mm256_setzero_ps();
+  for (int64_t j = j0; j < j1; ++j) {
+    float* xm = x[j & 1][0];
+    float* xv = x[j & 1][1];
+    float* p = l.p + j * block;
+    const float* g = l.g + j * block;
+    const int64_t bm = l.at[0] + j, bv = l.at[1] + j;
+    if (j == j0) {
+      QBlockAvx2<kind, nesterov, decay, false>(k, bufs, block, p, g, bm, bv, xm, xv, nullptr,
+                                               nullptr, none, none, nullptr, nullptr);
+    } else {
+      QBlockAvx2<kind, nesterov, decay, true>(
+          k, bufs, block, p, g, bm, bv, xm, xv, x[(j - 1) & 1][0], x[(j - 1) & 1][1],
+          _mm256_set1_ps(1.0f / bufs[0].scales[bm - 1]), _mm256_set1_ps(1.0f / bufs[1].scales[bv - 1]),
+          bufs[0].codes + (bm - 1) * block, bufs[1].codes + (bv - 1) * block);
+    }
+  }
+  if (j1 > j0) {  // the last block's codes
+    const int64_t j = j1 - 1, bm = l.at[0] + j, bv = l.at[1] + j;
+    const __m256 inv_m = _mm256_set1_ps(1.0f / bufs[0].scales[bm]);
+    const __m256 inv_v = _mm256_set1_ps(1.0f / bufs[1].scales[bv]);
+    for (int64_t i = 0; i < block; i += 8) {
+      QEncode8<false>(*bufs[0].search, x[j & 1][0] + i, inv_m, bufs[0].codes + bm * block + i);
+      QEncode8<true>(*bufs[1].search, x[j & 1][1] + i, inv_v, bufs[1].codes + bv * block + i);
+    }
+  }
+}
+#endif
+
+// The fast pass of RunBlocks for a variant and its buffers, or nullptr where there is none.
+using QuantFn = void (*)(const QLeaf&, const QBuffer*, int64_t, const float*, int64_t, int64_t);
+
+template <int64_t kind, bool nesterov>
+QuantFn PickQuantDecay(int64_t decay) {
+#ifdef ADAMKIT_AVX2
+  if (decay == kL2) return QuantBlocksAvx2<kind, nesterov, kL2>;
+  if (decay == kDecoupled) return QuantBlocksAvx2<kind, nesterov, kDecoupled>;
+  return QuantBlocksAvx2<kind, nesterov, kNoDecay>;
+#else
+  return nullptr;
+#endif
+}
+
+QuantFn PickQuant(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, const QBuffer* bufs,
+                  int64_t block) {
+#ifdef ADAMKIT_AVX2
+  if (!HasAvx2() || amsgrad || block < 8 || block > kFastMaxBlock) return nullptr;
+  if (!bufs[0].quantized || !bufs[1].quantized || !bufs[0].search->fast() ||
+      !bufs[1].search->fast()) {
+    return nullptr;
+  }
+  if (kind == kAdamax) return PickQuantDecay<kAdamax, false>(decay);
+  if (kind == kAdamHat) {
+    return nesterov ? PickQuantDecay<kAdamHat, true>(decay) : PickQuantDecay<kAdamHat, false>(decay);
+  }
+  return nesterov ? PickQuantDecay<kAdamCorrected, true>(decay)
+                  : PickQuantDecay<kAdamCorrected, false>(decay);
+#else
+  return nullptr;
+#endif
+}
+
 // The step on blocks [lo, hi) of the concatenated leaves (each leaf starts a block): the
 // block's quantized moments decoded into scratch, the float32 step's loop `fn`, encoded.
-void RunBlocks(ChunkFn fn, const std::vector<QLeaf>& leaves, const QBuffer* bufs,
+void RunBlocks(ChunkFn fn, QuantFn fast, const std::vector<QLeaf>& leaves, const QBuffer* bufs,
                int64_t nstate, int64_t block, const float* s, int64_t lo, int64_t hi) {
   std::vector<float> scratch(static_cast<size_t>(nstate * block));
   int64_t base = 0;
   for (const QLeaf& l : leaves) {
     const int64_t nb = (l.n + block - 1) / block;
-    for (int64_t j = std::max(lo, base) - base; j < std::min(hi, base + nb) - base; ++j) {
+    int64_t j = std::max(lo, base) - base;
+    const int64_t end = std::min(hi, base + nb) - base;
+    if (fast != nullptr) {  // the whole blocks
+      const int64_t whole = std::min(end, l.n / block);
+      if (j < whole) fast(l, bufs, block, s, j, whole);
+      j = std::max(j, whole);
+    }
+    for (; j < end; ++j) {
       const int64_t e0 = j * block, c = std::min(block, l.n - e0);
       float* x[kMaxStateBuffers] = {nullptr, nullptr, nullptr};
       for (int64_t k = 0; k < nstate; ++k) {
@@ -962,18 +1147,19 @@ ffi::Error StepQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     blocks += nb;
   }
   ChunkFn fn = Pick(kind, nesterov, decay, amsgrad);
+  QuantFn fast = PickQuant(kind, nesterov, decay, amsgrad, bufs, block);
   const float* s = scalars.typed_data();
 
   constexpr int64_t kMinPerChunk = 1 << 16;  // elements, as the float32 step
   const int64_t total = blocks * block;
   if (total < 2 * kMinPerChunk) {
-    RunBlocks(fn, leaves, bufs, nstate, block, s, 0, blocks);
+    RunBlocks(fn, fast, leaves, bufs, nstate, block, s, 0, blocks);
     return ffi::Error::Success();
   }
   const int64_t per = std::max<int64_t>(kMinPerChunk, total / (4 * Threads(pool)));
   ParallelFor(pool, blocks, (per + block - 1) / block,
-              [&leaves, &bufs, fn, s, nstate, block](int64_t lo, int64_t hi) {
-                RunBlocks(fn, leaves, bufs, nstate, block, s, lo, hi);
+              [&leaves, &bufs, fn, fast, s, nstate, block](int64_t lo, int64_t hi) {
+                RunBlocks(fn, fast, leaves, bufs, nstate, block, s, lo, hi);
               });
   return ffi::Error::Success();
 }
