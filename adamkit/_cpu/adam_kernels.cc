@@ -817,6 +817,7 @@ void Decode(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
 // the divider spends on the step's sqrt and division.
 #ifdef ADAMKIT_AVX2
 constexpr int64_t kFastMaxBlock = 1024;  // the stack buffers' block size bound
+constexpr int64_t kPrefetch = 512;       // elements ahead (prefetching past a buffer is harmless)
 
 // The scalars of Scalars, broadcast (lr negated once, as Update's -k.lr).
 struct Scalars8 {
@@ -953,14 +954,220 @@ __attribute__((target("avx2"))) void QuantBlocksAvx2(const QLeaf& l, const QBuff
     }
   }
 }
+
+// The same pass in AVX-512 (with VBMI's byte permutes), for blocks of 64 or more: 64
+// elements per iteration, and no gather to decode. The code book's 256 floats are held as
+// four planes of 256 bytes (byte k of each float), each plane sixteen zmm registers' worth;
+// a byte of every one of 64 codes is two two-table permutes and a blend on the code's top
+// bit, and the four planes interleave back into floats. Interleaving works within 128-bit
+// lanes, so the codes enter in the order kLaneOrder (element 16q + 4l + j at 16l + 4q + j);
+// the encoder's packs leave its codes in the same order, and the order is its own inverse.
+#define ADAMKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
+
+bool HasAvx512Vbmi() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi");
+  }();
+  return has;
+}
+
+struct Scalars16 {
+  __m512 b1, omb1, b2, omb2, eps, neg_lr, wd, c1, c2;
+};
+
+// QStep8 on sixteen lanes.
+template <int64_t kind, bool nesterov, int64_t decay>
+ADAMKIT_AVX512 __attribute__((always_inline)) inline void QStep16(const Scalars16& k, __m512 g,
+                                                                  __m512& p, __m512& m,
+                                                                  __m512& v) {
+  if (decay == kL2) g = _mm512_add_ps(g, _mm512_mul_ps(k.wd, p));
+  const __m512 mi = _mm512_add_ps(_mm512_mul_ps(k.b1, m), _mm512_mul_ps(k.omb1, g));
+  __m512 vi, u;
+  if (kind == kAdamax) {
+    const __m512 abs_g = _mm512_andnot_ps(_mm512_set1_ps(-0.0f), g);
+    vi = _mm512_max_ps(abs_g, _mm512_mul_ps(k.b2, v));
+    u = _mm512_div_ps(mi, _mm512_mul_ps(k.c1, _mm512_add_ps(vi, k.eps)));
+  } else {
+    vi = _mm512_add_ps(_mm512_mul_ps(k.b2, v), _mm512_mul_ps(k.omb2, _mm512_mul_ps(g, g)));
+    const __m512 n =
+        nesterov ? _mm512_add_ps(_mm512_mul_ps(k.b1, mi), _mm512_mul_ps(k.omb1, g)) : mi;
+    if (kind == kAdamHat) {
+      u = _mm512_div_ps(_mm512_mul_ps(k.c1, n), _mm512_add_ps(_mm512_sqrt_ps(vi), k.eps));
+    } else {
+      u = _mm512_div_ps(_mm512_mul_ps(n, k.c1),
+                        _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, k.c2)), k.eps));
+    }
+  }
+  m = mi;
+  v = vi;
+  if (decay == kDecoupled) u = _mm512_add_ps(u, _mm512_mul_ps(k.wd, p));
+  p = _mm512_add_ps(p, _mm512_mul_ps(k.neg_lr, u));
+}
+
+// A code book as four byte planes, 4 x 4 zmm.
+struct BookPlanes {
+  __m512i t[4][4];
+};
+
+ADAMKIT_AVX512 inline void LoadPlanes(const float* book, BookPlanes* out) {
+  alignas(64) uint8_t planes[4][kBook];
+  for (int64_t c = 0; c < kBook; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, &book[c], 4);
+    for (int64_t b = 0; b < 4; ++b) planes[b][c] = static_cast<uint8_t>(bits >> (8 * b));
+  }
+  for (int64_t b = 0; b < 4; ++b) {
+    for (int64_t q = 0; q < 4; ++q) out->t[b][q] = _mm512_load_si512(planes[b] + 64 * q);
+  }
+}
+
+ADAMKIT_AVX512 inline __m512i LaneOrder() {
+  alignas(64) uint8_t idx[64];
+  for (int l = 0; l < 4; ++l) {
+    for (int q = 0; q < 4; ++q) {
+      for (int j = 0; j < 4; ++j) idx[16 * l + 4 * q + j] = static_cast<uint8_t>(16 * q + 4 * l + j);
+    }
+  }
+  return _mm512_load_si512(idx);
+}
+
+// book[code[i]] * scale for 64 codes, as x[q] = elements 16q .. 16q + 15.
+ADAMKIT_AVX512 __attribute__((always_inline)) inline void QDecode64(const BookPlanes& bp,
+                                                                    __m512i order,
+                                                                    const uint8_t* code,
+                                                                    __m512 scale, __m512 x[4]) {
+  const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(code));
+  const __mmask64 top = _mm512_movepi8_mask(c);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    b[k] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(bp.t[k][0], c, bp.t[k][1]),
+                                  _mm512_permutex2var_epi8(bp.t[k][2], c, bp.t[k][3]));
+  }
+  const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+  x[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), scale);
+  x[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), scale);
+  x[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), scale);
+  x[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), scale);
+}
+
+// The codes of x[0 .. 64) * inv, stored at out.
+template <bool nonneg>
+ADAMKIT_AVX512 __attribute__((always_inline)) inline void QEncode64(const CodeSearch& search,
+                                                                    __m512i order, const float* x,
+                                                                    __m512 inv, uint8_t* out) {
+  __m512i c[4];
+  for (int q = 0; q < 4; ++q) {
+    c[q] = search.Codes16<nonneg>(_mm512_mul_ps(_mm512_load_ps(x + 16 * q), inv));
+  }
+  const __m512i packed = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]),
+                                             _mm512_packus_epi32(c[2], c[3]));
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi8(order, packed));
+}
+
+// Sanitize() on sixteen values.
+template <bool nonneg>
+ADAMKIT_AVX512 __attribute__((always_inline)) inline __m512 QSanitize16(__m512 x) {
+  x = _mm512_maskz_mov_ps(~_mm512_fpclass_ps_mask(x, 0x99), x);  // 0x99: NaN, +-inf
+  return nonneg ? _mm512_max_ps(x, _mm512_setzero_ps()) : x;
+}
+
+template <int64_t kind, bool nesterov, int64_t decay, bool encode_prev>
+ADAMKIT_AVX512 __attribute__((always_inline)) inline void QBlockAvx512(
+    const Scalars16& k, const QBuffer* bufs, const BookPlanes& book_m, const BookPlanes& book_v,
+    __m512i order, int64_t block, float* p, const float* g, int64_t blk_m, int64_t blk_v,
+    float* xm, float* xv, const float* prev_m, const float* prev_v, __m512 inv_m, __m512 inv_v,
+    uint8_t* prev_code_m, uint8_t* prev_code_v) {
+  const uint8_t* code_m = bufs[0].codes + blk_m * block;
+  const uint8_t* code_v = bufs[1].codes + blk_v * block;
+  const __m512 scale_m = _mm512_set1_ps(bufs[0].scales[blk_m]);
+  const __m512 scale_v = _mm512_set1_ps(bufs[1].scales[blk_v]);
+  __m512 amax_m = _mm512_setzero_ps(), amax_v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < block; i += 64) {
+    // The hardware's stream prefetch alone leaves the loop waiting on memory.
+    for (int q = 0; q < 4; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + kPrefetch + 16 * q), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + i + kPrefetch + 16 * q), _MM_HINT_T0);
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(code_m + i + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(code_v + i + kPrefetch), _MM_HINT_T0);
+    __m512 m[4], v[4];
+    QDecode64(book_m, order, code_m + i, scale_m, m);
+    QDecode64(book_v, order, code_v + i, scale_v, v);
+    for (int q = 0; q < 4; ++q) {
+      __m512 pq = _mm512_loadu_ps(p + i + 16 * q);
+      QStep16<kind, nesterov, decay>(k, _mm512_loadu_ps(g + i + 16 * q), pq, m[q], v[q]);
+      _mm512_storeu_ps(p + i + 16 * q, pq);
+      m[q] = QSanitize16<false>(m[q]);
+      v[q] = QSanitize16<true>(v[q]);
+      _mm512_store_ps(xm + i + 16 * q, m[q]);
+      _mm512_store_ps(xv + i + 16 * q, v[q]);
+      amax_m = _mm512_range_ps(amax_m, m[q], 0x0B);  // 0x0B: the larger magnitude, sign cleared
+      amax_v = _mm512_max_ps(amax_v, v[q]);
+    }
+    if (encode_prev) {
+      QEncode64<false>(*bufs[0].search, order, prev_m + i, inv_m, prev_code_m + i);
+      QEncode64<true>(*bufs[1].search, order, prev_v + i, inv_v, prev_code_v + i);
+    }
+  }
+  bufs[0].scales[blk_m] = std::max(_mm512_reduce_max_ps(amax_m), kScaleFloor);
+  bufs[1].scales[blk_v] = std::max(_mm512_reduce_max_ps(amax_v), kScaleFloor);
+}
+
+template <int64_t kind, bool nesterov, int64_t decay>
+ADAMKIT_AVX512 void QuantBlocksAvx512(const QLeaf& l, const QBuffer* bufs, int64_t block,
+                                      const float* s, int64_t j0, int64_t j1) {
+  const Scalars sc = LoadScalars(s);
+  const Scalars16 k{_mm512_set1_ps(sc.b1),   _mm512_set1_ps(sc.omb1), _mm512_set1_ps(sc.b2),
+                    _mm512_set1_ps(sc.omb2), _mm512_set1_ps(sc.eps),  _mm512_set1_ps(-sc.lr),
+                    _mm512_set1_ps(sc.wd),   _mm512_set1_ps(sc.c1),   _mm512_set1_ps(sc.c2)};
+  BookPlanes book_m, book_v;
+  LoadPlanes(bufs[0].book, &book_m);
+  LoadPlanes(bufs[1].book, &book_v);
+  const __m512i order = LaneOrder();
+  alignas(64) float x[2][2][kFastMaxBlock];  // [block parity][m, v]
+  const __m512 none = _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; ++j) {
+    float* p = l.p + j * block;
+    const float* g = l.g + j * block;
+    const int64_t bm = l.at[0] + j, bv = l.at[1] + j;
+    if (j == j0) {
+      QBlockAvx512<kind, nesterov, decay, false>(k, bufs, book_m, book_v, order, block, p, g, bm,
+                                                 bv, x[j & 1][0], x[j & 1][1], nullptr, nullptr,
+                                                 none, none, nullptr, nullptr);
+    } else {
+      QBlockAvx512<kind, nesterov, decay, true>(
+          k, bufs, book_m, book_v, order, block, p, g, bm, bv, x[j & 1][0], x[j & 1][1],
+          x[(j - 1) & 1][0], x[(j - 1) & 1][1], _mm512_set1_ps(1.0f / bufs[0].scales[bm - 1]),
+          _mm512_set1_ps(1.0f / bufs[1].scales[bv - 1]), bufs[0].codes + (bm - 1) * block,
+          bufs[1].codes + (bv - 1) * block);
+    }
+  }
+  if (j1 > j0) {  // the last block's codes
+    const int64_t j = j1 - 1, bm = l.at[0] + j, bv = l.at[1] + j;
+    const __m512 inv_m = _mm512_set1_ps(1.0f / bufs[0].scales[bm]);
+    const __m512 inv_v = _mm512_set1_ps(1.0f / bufs[1].scales[bv]);
+    for (int64_t i = 0; i < block; i += 64) {
+      QEncode64<false>(*bufs[0].search, order, x[j & 1][0] + i, inv_m, bufs[0].codes + bm * block + i);
+      QEncode64<true>(*bufs[1].search, order, x[j & 1][1] + i, inv_v, bufs[1].codes + bv * block + i);
+    }
+  }
+}
 #endif
 
 // The fast pass of RunBlocks for a variant and its buffers, or nullptr where there is none.
 using QuantFn = void (*)(const QLeaf&, const QBuffer*, int64_t, const float*, int64_t, int64_t);
 
 template <int64_t kind, bool nesterov>
-QuantFn PickQuantDecay(int64_t decay) {
+QuantFn PickQuantDecay(int64_t decay, bool avx512) {
 #ifdef ADAMKIT_AVX2
+  if (avx512) {
+    if (decay == kL2) return QuantBlocksAvx512<kind, nesterov, kL2>;
+    if (decay == kDecoupled) return QuantBlocksAvx512<kind, nesterov, kDecoupled>;
+    return QuantBlocksAvx512<kind, nesterov, kNoDecay>;
+  }
   if (decay == kL2) return QuantBlocksAvx2<kind, nesterov, kL2>;
   if (decay == kDecoupled) return QuantBlocksAvx2<kind, nesterov, kDecoupled>;
   return QuantBlocksAvx2<kind, nesterov, kNoDecay>;
@@ -977,12 +1184,14 @@ QuantFn PickQuant(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, cons
       !bufs[1].search->fast()) {
     return nullptr;
   }
-  if (kind == kAdamax) return PickQuantDecay<kAdamax, false>(decay);
+  const bool avx512 = block >= 64 && HasAvx512Vbmi() && !std::getenv("ADAMKIT_NO_AVX512");
+  if (kind == kAdamax) return PickQuantDecay<kAdamax, false>(decay, avx512);
   if (kind == kAdamHat) {
-    return nesterov ? PickQuantDecay<kAdamHat, true>(decay) : PickQuantDecay<kAdamHat, false>(decay);
+    return nesterov ? PickQuantDecay<kAdamHat, true>(decay, avx512)
+                    : PickQuantDecay<kAdamHat, false>(decay, avx512);
   }
-  return nesterov ? PickQuantDecay<kAdamCorrected, true>(decay)
-                  : PickQuantDecay<kAdamCorrected, false>(decay);
+  return nesterov ? PickQuantDecay<kAdamCorrected, true>(decay, avx512)
+                  : PickQuantDecay<kAdamCorrected, false>(decay, avx512);
 #else
   return nullptr;
 #endif
