@@ -570,17 +570,18 @@ constexpr int64_t kMaxBlock = 1 << 20;  // elements per block (bounds the scratc
 constexpr float kScaleFloor = 1e-12f;   // _quant.SCALE_FLOOR
 
 // The nearest-code search. A float r is mapped to an order-preserving int32 key t (its bits,
-// the magnitude bits flipped for a negative float, so that t orders as r does); the top 18
-// bits of t (sign, exponent, 9 mantissa bits) name a bucket, and a table gives per bucket the
-// number of midpoints below it and the one midpoint inside it, if any (the dynamic maps'
-// closest midpoints are 0.35% apart, a bucket at most 0.2% wide). Entry = count << 14 plus
-// 2^14 minus the midpoint's low 14 bits of t (0 for no midpoint), so that
-// code = (entry + low bits of t) >> 14: the sum carries into the count exactly when r is at
-// or above the midpoint. Buckets cover |r| < 2 (the encoder's r is at most 1 + 2^-23); the
-// keys are clamped to them, the two end buckets holding no midpoint. A code book whose
-// midpoints break these rules (two in a bucket, a midpoint at 0 or past the ends) falls
-// back to a binary search. The table is 512 KiB, of which a step touches the buckets of
-// the values it meets.
+// the magnitude bits flipped for a negative float, so that t orders as r does); the top 16
+// bits of t (sign, exponent, 7 mantissa bits) name a bucket k, and a table gives per bucket
+// the number of midpoints below it and the one midpoint inside it, if any (no bucket of the
+// 8-bit formats' maps holds two). Entry = count << 16, plus 2^16 minus the midpoint's low 16
+// bits of t (nothing without a midpoint), minus k << 16, all mod 2^32, so that
+// code = (entry + t) >> 16: t is k << 16 plus its low bits, and their sum with the
+// midpoint's complement carries into the count exactly when r is at or above the midpoint
+// (the sum is below 2^24: the code is its byte 2). The table has a bucket for every key
+// (256 KiB, of which a step touches the buckets of the values it meets), so no index needs
+// a bound check. A code book whose midpoints break these rules (two in a bucket, a midpoint
+// at 0, whose two keys -0.0 and +0.0 the table would tell apart) falls back to a binary
+// search, and the step to its general path.
 class CodeSearch {
  public:
   // False when the midpoints are not finite and sorted.
@@ -594,21 +595,21 @@ class CodeSearch {
     table_ok_ = true;
     for (int64_t i = 0; i < kBook - 1; ++i) {
       keys[i] = Key(mid_[i]);
-      table_ok_ = table_ok_ && mid_[i] != 0.0f;  // -0.0 and +0.0 have two keys
+      table_ok_ = table_ok_ && mid_[i] != 0.0f;
     }
-    table_.assign(2 * kHalf, 0);
-    for (int64_t k = -kHalf; k < kHalf; ++k) {
-      // The keys [lo, hi] of bucket k; the end buckets take every key beyond them.
-      const int64_t lo = k == -kHalf ? INT32_MIN : k * (kLow + 1);
-      const int64_t hi = k == kHalf - 1 ? INT32_MAX : k * (kLow + 1) + kLow;
-      const int64_t below = std::lower_bound(keys, keys + kBook - 1, lo) - keys;
-      const int64_t upto = std::upper_bound(keys, keys + kBook - 1, hi) - keys;
-      int32_t entry = static_cast<int32_t>(below << kShift);
+    table_.assign(kBuckets, 0);
+    int64_t below = 0;  // midpoints under bucket k
+    for (int64_t k = 0; k < kBuckets; ++k) {
+      const int64_t lo = (k - kBuckets / 2) * (kLow + 1);
+      while (below < kBook - 1 && keys[below] < lo) ++below;
+      int64_t upto = below;  // midpoints up to the bucket's top
+      while (upto < kBook - 1 && keys[upto] <= lo + kLow) ++upto;
+      uint32_t entry = static_cast<uint32_t>(below - (k - kBuckets / 2)) << kShift;
       if (upto > below) {
-        table_ok_ = table_ok_ && upto - below == 1 && k != -kHalf && k != kHalf - 1;
-        entry += static_cast<int32_t>((kLow + 1) - (keys[below] & kLow));
+        table_ok_ = table_ok_ && upto - below == 1;
+        entry += static_cast<uint32_t>((kLow + 1) - (keys[below] & kLow));
       }
-      table_[k + kHalf] = entry;
+      table_[k] = entry;
     }
     return true;
   }
@@ -621,8 +622,8 @@ class CodeSearch {
       return static_cast<uint8_t>(std::upper_bound(mid_, mid_ + kBook - 1, r) - mid_);
     }
     const int32_t t = Key(r);
-    const int32_t k = std::min(std::max(t >> kShift, -kHalf), kHalf - 1);
-    return static_cast<uint8_t>((table_[k + kHalf] + (t & kLow)) >> kShift);
+    return static_cast<uint8_t>((table_[(t >> kShift) + kBuckets / 2] + static_cast<uint32_t>(t)) >>
+                                kShift);
   }
 
 #ifdef ADAMKIT_AVX2
@@ -631,12 +632,9 @@ class CodeSearch {
   __attribute__((target("avx2"), always_inline)) inline __m256i Codes8(__m256 r) const {
     __m256i t = _mm256_castps_si256(r);
     if (!nonneg) t = _mm256_xor_si256(t, _mm256_srli_epi32(_mm256_srai_epi32(t, 31), 1));
-    const __m256i k = _mm256_min_epi32(
-        _mm256_max_epi32(_mm256_srai_epi32(t, kShift), _mm256_set1_epi32(-kHalf)),
-        _mm256_set1_epi32(kHalf - 1));
-    const __m256i entry = _mm256_i32gather_epi32(table_.data() + kHalf, k, 4);
-    return _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(t, _mm256_set1_epi32(kLow))),
-                             kShift);
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table_.data()) + kBuckets / 2,
+                                                 _mm256_srai_epi32(t, kShift), 4);
+    return _mm256_srli_epi32(_mm256_add_epi32(entry, t), kShift);
   }
 
   // Code() of x[i] * inv for i < n (a multiple of 8), eight at a time (needs fast()).
@@ -651,25 +649,22 @@ class CodeSearch {
     }
   }
 
-  // Codes8 on sixteen lanes.
+  // Codes8 on sixteen lanes, each in byte 2 of its lane (the other bytes are not zero).
   template <bool nonneg>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"), always_inline)) inline __m512i
   Codes16(__m512 r) const {
     __m512i t = _mm512_castps_si512(r);
-    if (!nonneg) t = _mm512_xor_si512(t, _mm512_srli_epi32(_mm512_srai_epi32(t, 31), 1));
-    const __m512i k = _mm512_min_epi32(
-        _mm512_max_epi32(_mm512_srai_epi32(t, kShift), _mm512_set1_epi32(-kHalf)),
-        _mm512_set1_epi32(kHalf - 1));
-    const __m512i entry = _mm512_i32gather_epi32(k, table_.data() + kHalf, 4);
-    return _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(t, _mm512_set1_epi32(kLow))),
-                             kShift);
+    if (!nonneg) t = _mm512_mask_xor_epi32(t, _mm512_movepi32_mask(t), t, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i entry = _mm512_i32gather_epi32(_mm512_srai_epi32(t, kShift),
+                                                 table_.data() + kBuckets / 2, 4);
+    return _mm512_add_epi32(entry, t);
   }
 #endif
 
  private:
-  static constexpr int32_t kShift = 14;                 // the low bits of t below a bucket
+  static constexpr int32_t kShift = 16;  // the low bits of t below a bucket
   static constexpr int32_t kLow = (1 << kShift) - 1;
-  static constexpr int32_t kHalf = 128 << (23 - kShift);  // buckets of |r| < 2, per sign
+  static constexpr int64_t kBuckets = int64_t{1} << (32 - kShift);
 
   // The order-preserving key of a float that is not NaN (-0.0 is -1, +0.0 is 0).
   static int32_t Key(float r) {
@@ -679,7 +674,7 @@ class CodeSearch {
   }
 
   float mid_[kBook];  // the 255 midpoints, then +inf (the binary search's)
-  std::vector<int32_t> table_;
+  std::vector<uint32_t> table_;
   bool table_ok_ = false;
 };
 
@@ -960,8 +955,7 @@ __attribute__((target("avx2"))) void QuantBlocksAvx2(const QLeaf& l, const QBuff
 // four planes of 256 bytes (byte k of each float), each plane sixteen zmm registers' worth;
 // a byte of every one of 64 codes is two two-table permutes and a blend on the code's top
 // bit, and the four planes interleave back into floats. Interleaving works within 128-bit
-// lanes, so the codes enter in the order kLaneOrder (element 16q + 4l + j at 16l + 4q + j);
-// the encoder's packs leave its codes in the same order, and the order is its own inverse.
+// lanes, so the codes enter in the order LaneOrder() (element 16q + 4l + j at 16l + 4q + j).
 #define ADAMKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
 
 bool HasAvx512Vbmi() {
@@ -1053,31 +1047,32 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QDecode64(const BookPl
   x[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), scale);
 }
 
-// The codes of x[0 .. 64) * inv, stored at out.
+// The codes of x[0 .. 64) * inv, stored at out: byte 2 of Codes16's lanes, picked by
+// two-table byte permutes (pick: byte 4i + 2 of the pair to byte i, and again from 32 on).
 template <bool nonneg>
 ADAMKIT_AVX512 __attribute__((always_inline)) inline void QEncode64(const CodeSearch& search,
-                                                                    __m512i order, const float* x,
+                                                                    __m512i pick, const float* x,
                                                                     __m512 inv, uint8_t* out) {
   __m512i c[4];
   for (int q = 0; q < 4; ++q) {
     c[q] = search.Codes16<nonneg>(_mm512_mul_ps(_mm512_load_ps(x + 16 * q), inv));
   }
-  const __m512i packed = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]),
-                                             _mm512_packus_epi32(c[2], c[3]));
-  _mm512_storeu_si512(out, _mm512_permutexvar_epi8(order, packed));
+  const __m512i lo = _mm512_permutex2var_epi8(c[0], pick, c[1]);
+  const __m512i hi = _mm512_permutex2var_epi8(c[2], pick, c[3]);
+  _mm512_storeu_si512(out, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi));
 }
 
-// Sanitize() on sixteen values.
-template <bool nonneg>
-ADAMKIT_AVX512 __attribute__((always_inline)) inline __m512 QSanitize16(__m512 x) {
-  x = _mm512_maskz_mov_ps(~_mm512_fpclass_ps_mask(x, 0x99), x);  // 0x99: NaN, +-inf
-  return nonneg ? _mm512_max_ps(x, _mm512_setzero_ps()) : x;
+ADAMKIT_AVX512 inline __m512i TopBytes() {
+  alignas(64) uint8_t idx[64];
+  for (int i = 0; i < 64; ++i) idx[i] = static_cast<uint8_t>(4 * (i % 32) + 2);
+  return _mm512_load_si512(idx);
 }
 
 template <int64_t kind, bool nesterov, int64_t decay, bool encode_prev>
 ADAMKIT_AVX512 __attribute__((always_inline)) inline void QBlockAvx512(
     const Scalars16& k, const QBuffer* bufs, const BookPlanes& book_m, const BookPlanes& book_v,
-    __m512i order, int64_t block, float* p, const float* g, int64_t blk_m, int64_t blk_v,
+    __m512i order, __m512i pick, int64_t block, float* p, const float* g, int64_t blk_m,
+    int64_t blk_v,
     float* xm, float* xv, const float* prev_m, const float* prev_v, __m512 inv_m, __m512 inv_v,
     uint8_t* prev_code_m, uint8_t* prev_code_v) {
   const uint8_t* code_m = bufs[0].codes + blk_m * block;
@@ -1085,6 +1080,7 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QBlockAvx512(
   const __m512 scale_m = _mm512_set1_ps(bufs[0].scales[blk_m]);
   const __m512 scale_v = _mm512_set1_ps(bufs[1].scales[blk_v]);
   __m512 amax_m = _mm512_setzero_ps(), amax_v = _mm512_setzero_ps();
+  __m512 sum_m = _mm512_setzero_ps();  // not finite when some m is not (or the sum overflows)
   for (int64_t i = 0; i < block; i += 64) {
     // The hardware's stream prefetch alone leaves the loop waiting on memory.
     for (int q = 0; q < 4; ++q) {
@@ -1100,20 +1096,27 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QBlockAvx512(
       __m512 pq = _mm512_loadu_ps(p + i + 16 * q);
       QStep16<kind, nesterov, decay>(k, _mm512_loadu_ps(g + i + 16 * q), pq, m[q], v[q]);
       _mm512_storeu_ps(p + i + 16 * q, pq);
-      m[q] = QSanitize16<false>(m[q]);
-      v[q] = QSanitize16<true>(v[q]);
+      // Sanitize() where every value is finite, and what tells that: a NaN of v is 0 after
+      // max(v, 0), -inf too, +inf stays in amax_v; the sum of m catches m's.
+      v[q] = _mm512_max_ps(v[q], _mm512_setzero_ps());
       _mm512_store_ps(xm + i + 16 * q, m[q]);
       _mm512_store_ps(xv + i + 16 * q, v[q]);
       amax_m = _mm512_range_ps(amax_m, m[q], 0x0B);  // 0x0B: the larger magnitude, sign cleared
       amax_v = _mm512_max_ps(amax_v, v[q]);
+      sum_m = _mm512_add_ps(sum_m, m[q]);
     }
     if (encode_prev) {
-      QEncode64<false>(*bufs[0].search, order, prev_m + i, inv_m, prev_code_m + i);
-      QEncode64<true>(*bufs[1].search, order, prev_v + i, inv_v, prev_code_v + i);
+      QEncode64<false>(*bufs[0].search, pick, prev_m + i, inv_m, prev_code_m + i);
+      QEncode64<true>(*bufs[1].search, pick, prev_v + i, inv_v, prev_code_v + i);
     }
   }
-  bufs[0].scales[blk_m] = std::max(_mm512_reduce_max_ps(amax_m), kScaleFloor);
-  bufs[1].scales[blk_v] = std::max(_mm512_reduce_max_ps(amax_v), kScaleFloor);
+  float am = _mm512_reduce_max_ps(amax_m), av = _mm512_reduce_max_ps(amax_v);
+  if (_mm512_fpclass_ps_mask(sum_m, 0x99) != 0 || !std::isfinite(am) || !std::isfinite(av)) {
+    am = Sanitize(false, block, xm);  // 0x99 above: NaN, +-inf
+    av = Sanitize(true, block, xv);
+  }
+  bufs[0].scales[blk_m] = std::max(am, kScaleFloor);
+  bufs[1].scales[blk_v] = std::max(av, kScaleFloor);
 }
 
 template <int64_t kind, bool nesterov, int64_t decay>
@@ -1126,7 +1129,7 @@ ADAMKIT_AVX512 void QuantBlocksAvx512(const QLeaf& l, const QBuffer* bufs, int64
   BookPlanes book_m, book_v;
   LoadPlanes(bufs[0].book, &book_m);
   LoadPlanes(bufs[1].book, &book_v);
-  const __m512i order = LaneOrder();
+  const __m512i order = LaneOrder(), pick = TopBytes();
   alignas(64) float x[2][2][kFastMaxBlock];  // [block parity][m, v]
   const __m512 none = _mm512_setzero_ps();
   for (int64_t j = j0; j < j1; ++j) {
@@ -1134,12 +1137,12 @@ ADAMKIT_AVX512 void QuantBlocksAvx512(const QLeaf& l, const QBuffer* bufs, int64
     const float* g = l.g + j * block;
     const int64_t bm = l.at[0] + j, bv = l.at[1] + j;
     if (j == j0) {
-      QBlockAvx512<kind, nesterov, decay, false>(k, bufs, book_m, book_v, order, block, p, g, bm,
+      QBlockAvx512<kind, nesterov, decay, false>(k, bufs, book_m, book_v, order, pick, block, p, g, bm,
                                                  bv, x[j & 1][0], x[j & 1][1], nullptr, nullptr,
                                                  none, none, nullptr, nullptr);
     } else {
       QBlockAvx512<kind, nesterov, decay, true>(
-          k, bufs, book_m, book_v, order, block, p, g, bm, bv, x[j & 1][0], x[j & 1][1],
+          k, bufs, book_m, book_v, order, pick, block, p, g, bm, bv, x[j & 1][0], x[j & 1][1],
           x[(j - 1) & 1][0], x[(j - 1) & 1][1], _mm512_set1_ps(1.0f / bufs[0].scales[bm - 1]),
           _mm512_set1_ps(1.0f / bufs[1].scales[bv - 1]), bufs[0].codes + (bm - 1) * block,
           bufs[1].codes + (bv - 1) * block);
@@ -1150,8 +1153,8 @@ ADAMKIT_AVX512 void QuantBlocksAvx512(const QLeaf& l, const QBuffer* bufs, int64
     const __m512 inv_m = _mm512_set1_ps(1.0f / bufs[0].scales[bm]);
     const __m512 inv_v = _mm512_set1_ps(1.0f / bufs[1].scales[bv]);
     for (int64_t i = 0; i < block; i += 64) {
-      QEncode64<false>(*bufs[0].search, order, x[j & 1][0] + i, inv_m, bufs[0].codes + bm * block + i);
-      QEncode64<true>(*bufs[1].search, order, x[j & 1][1] + i, inv_v, bufs[1].codes + bv * block + i);
+      QEncode64<false>(*bufs[0].search, pick, x[j & 1][0] + i, inv_m, bufs[0].codes + bm * block + i);
+      QEncode64<true>(*bufs[1].search, pick, x[j & 1][1] + i, inv_v, bufs[1].codes + bv * block + i);
     }
   }
 }
