@@ -1187,7 +1187,7 @@ QuantFn PickQuant(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, cons
       !bufs[1].search->fast()) {
     return nullptr;
   }
-  const bool avx512 = block >= 64 && HasAvx512Vbmi() && !std::getenv("ADAMKIT_NO_AVX512");
+  const bool avx512 = block >= 64 && HasAvx512Vbmi();
   if (kind == kAdamax) return PickQuantDecay<kAdamax, false>(decay, avx512);
   if (kind == kAdamHat) {
     return nesterov ? PickQuantDecay<kAdamHat, true>(decay, avx512)
