@@ -86,6 +86,18 @@ def torch_runner(make_opt):
   return run
 
 
+def with_cpu_time(run, out: list):
+  """``run``, appending the CPU time of the whole process (every thread) per call to ``out``:
+  on a shared machine the wall time depends on whether the helper threads find a free core,
+  the CPU time much less."""
+  def timed():
+    c = time.process_time()
+    dt = run()
+    out.append(time.process_time() - c)
+    return dt
+  return timed
+
+
 def anchors() -> dict:
   """torchao's and bitsandbytes' AdamW8bit where they import (the `bench` extra)."""
   makers = {}
@@ -147,22 +159,28 @@ def main():
   else:
     notes.append("torch not installed: its rows and the anchors skipped")
 
+  cpu = {k: [] for k in runners}
+  runners = {k: with_cpu_time(run, cpu[k]) for k, run in runners.items()}
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     times = common.interleave(runners, args.reps, warmup=3)
   del runners
   gc.collect()
   med = {k: common.median_ms(v) for k, v in times.items()}
-  ref = med.get(REFERENCE)
+  med_cpu = {k: common.median_ms(v[-args.reps:]) for k, v in cpu.items()}
+  ref, ref_cpu = med.get(REFERENCE), med_cpu.get(REFERENCE)
   base = med["optax.adamw f32"]
-  rows = [[name, ms, ms / ref if ref else "-", ms / base] for name, ms in med.items()]
+  rows = [[name, ms, ms / ref if ref else "-", ms / base, med_cpu[name],
+           med_cpu[name] / ref_cpu if ref_cpu else "-"] for name, ms in med.items()]
   print(common.table(f"AdamW step, {SHAPE[0]}x{SHAPE[1]} = 16.8M float32 parameters, "
                      f"median of {args.reps} interleaved rounds",
-                     ["contender", "ms", f"x {REFERENCE}", "x optax.adamw f32"], rows))
+                     ["contender", "ms", f"x {REFERENCE}", "x optax.adamw f32", "CPU ms",
+                      "CPU x torch fused"], rows))
   for note in notes:
     print(f"\n({note})")
   path = common.write_json("bench_lowbit_speed", {
-      "shape": SHAPE, "reps": args.reps, "median_ms": med, "samples_s": times, "notes": notes,
+      "shape": SHAPE, "reps": args.reps, "median_ms": med, "median_cpu_ms": med_cpu,
+      "samples_s": times, "notes": notes,
       "load_average": os.getloadavg()})
   print(f"\nwritten: {path}")
 

@@ -74,9 +74,10 @@ def _hard_values(block, seed=0):
 
 
 @pytest.mark.parametrize("block", [256, 64, 8, 2])
-def test_kernel_codes_are_the_formats_bit_for_bit(kernel, block):
+@pytest.mark.parametrize("amsgrad", [False, True])  # the kernel's vector pass; its general path
+def test_kernel_codes_are_the_formats_bit_for_bit(kernel, block, amsgrad):
   g = _hard_values(block)
-  got = _direct_codes(jnp.asarray(g), block, amsgrad=True)
+  got = _direct_codes(jnp.asarray(g), block, amsgrad=amsgrad)
   with np.errstate(over="ignore"):  # g * g overflows to inf: stored as 0
     squares = g * g
   for (codes, scales), x, role in zip(got, (g, squares, squares), ("mu", "nu", "nu")):

@@ -241,11 +241,15 @@ def _drive():  # noqa: C901 - one list of cases
   for rows, t in [(f32(2, 8), tbl), (f32(4, 3), tbl), (f32(4, 8, 1), tbl), (f32(4), f32(100, 1))]:
     refused(call, "adamkit_cpu_row_add", sd(t), ids, rows, t)
   # --- the quantized dense step (8-bit moments): public API on leaves of sizes 0, 1, 17,
-  # 300 (partial blocks) and one split over the thread pool, NaN/Inf gradients
-  q8 = ak.Quantized("8bit", min_size=0)
+  # 300 (partial blocks) and one split over the thread pool, NaN/Inf gradients; the general
+  # path (AMSGrad, one moment quantized) and the vector passes (both moments quantized:
+  # AVX-512 for blocks of 64 and more, AVX2 for smaller ones, where the CPU has them)
+  q8, q8_32 = ak.Quantized("8bit", min_size=0), ak.Quantized("8bit", 32, 0)
   quantized = [functools.partial(ak.fused_adamw, mu_dtype=q8, nu_dtype=q8, amsgrad=True),
                functools.partial(ak.fused_adam, mu_dtype=q8, weight_decay=0.1),
-               functools.partial(ak.fused_adamax, nu_dtype=ak.Quantized("8bit", 64, 0))]
+               functools.partial(ak.fused_adamax, nu_dtype=ak.Quantized("8bit", 64, 0)),
+               functools.partial(ak.fused_adamw, mu_dtype=q8, nu_dtype=q8),
+               functools.partial(ak.fused_adam, mu_dtype=q8_32, nu_dtype=q8_32, nesterov=True)]
   for sizes, make, mt in itertools.product([(1,), (17, 0, 300), (300_000,), (5, 200_000)],
                                            quantized, (True, False)):
     opt = make(0.1, multi_tensor=mt, backend="kernel")

@@ -939,16 +939,19 @@ constexpr int64_t kBook = 256;          // codes per book
 constexpr int64_t kMaxBlock = 1 << 20;  // elements per block (bounds the scratch)
 constexpr float kScaleFloor = 1e-12f;   // _quant.SCALE_FLOOR
 
-// The nearest-code search. A table indexed by a float's sign, exponent and top 9 mantissa
-// bits (a bucket) gives the number of midpoints below the bucket and the one midpoint
-// inside it, if any (the dynamic maps' closest midpoints are 0.35% apart, a bucket at most
-// 0.2% wide): the code is that count plus one if r is at or above the midpoint. Inside a
-// bucket every float shares its sign, exponent and top bits, so the comparison is one of
-// the 14 low bits, flipped for negative floats (where a larger magnitude is a smaller
-// value); table entry = count | low bits << 8, "no midpoint" = 2^14. One gather per eight
-// codes. The first bucket of each sign takes every |r| below 2^-24 too, the last every
-// |r| from the top of [1, 2) up; neither may hold a midpoint. A code book that breaks these
-// rules falls back to a binary search.
+// The nearest-code search. A float r is mapped to an order-preserving int32 key t (its bits,
+// the magnitude bits flipped for a negative float, so that t orders as r does); the top 16
+// bits of t (sign, exponent, 7 mantissa bits) name a bucket k, and a table gives per bucket
+// the number of midpoints below it and the one midpoint inside it, if any (no bucket of the
+// 8-bit formats' maps holds two). Entry = count << 16, plus 2^16 minus the midpoint's low 16
+// bits of t (nothing without a midpoint), minus k << 16, all mod 2^32, so that
+// code = (entry + t) >> 16: t is k << 16 plus its low bits, and their sum with the
+// midpoint's complement carries into the count exactly when r is at or above the midpoint
+// (the sum is below 2^24: the code is its byte 2). The table has a bucket for every key
+// (256 KiB, of which a step touches the buckets of the values it meets), so no index needs
+// a bound check. A code book whose midpoints break these rules (two in a bucket, a midpoint
+// at 0, whose two keys -0.0 and +0.0 the table would tell apart) falls back to a binary
+// search, and the step to its general path.
 class CodeSearch {
  public:
   // False when the midpoints are not finite and sorted.
@@ -958,27 +961,25 @@ class CodeSearch {
       mid_[i] = mid[i];
     }
     mid_[kBook - 1] = INFINITY;  // never <= a finite r
+    int32_t keys[kBook - 1];
     table_ok_ = true;
-    for (int64_t sign = 0; sign < 2; ++sign) {
-      for (int64_t k = 0; k < kBuckets; ++k) {
-        float lo, hi;
-        const bool wide = Bucket(k, &lo, &hi);
-        if (sign) {  // the negative floats of those magnitudes
-          const float neg_lo = -hi;
-          hi = -lo;
-          lo = neg_lo;
-        }
-        const int64_t below = std::lower_bound(mid_, mid_ + kBook - 1, lo) - mid_;
-        const int64_t upto = std::upper_bound(mid_, mid_ + kBook - 1, hi) - mid_;
-        int32_t low = kNever;
-        if (upto > below) {
-          table_ok_ = table_ok_ && upto - below == 1 && !wide;
-          uint32_t bits;
-          std::memcpy(&bits, &mid_[below], 4);
-          low = static_cast<int32_t>((bits & kLow) ^ (sign ? kLow : 0u));
-        }
-        entry_[sign * kBuckets + k] = static_cast<int32_t>(below) | (low << 8);
+    for (int64_t i = 0; i < kBook - 1; ++i) {
+      keys[i] = Key(mid_[i]);
+      table_ok_ = table_ok_ && mid_[i] != 0.0f;
+    }
+    table_.assign(kBuckets, 0);
+    int64_t below = 0;  // midpoints under bucket k
+    for (int64_t k = 0; k < kBuckets; ++k) {
+      const int64_t lo = (k - kBuckets / 2) * (kLow + 1);
+      while (below < kBook - 1 && keys[below] < lo) ++below;
+      int64_t upto = below;  // midpoints up to the bucket's top
+      while (upto < kBook - 1 && keys[upto] <= lo + kLow) ++upto;
+      uint32_t entry = static_cast<uint32_t>(below - (k - kBuckets / 2)) << kShift;
+      if (upto > below) {
+        table_ok_ = table_ok_ && upto - below == 1;
+        entry += static_cast<uint32_t>((kLow + 1) - (keys[below] & kLow));
       }
+      table_[k] = entry;
     }
     return true;
   }
@@ -990,69 +991,60 @@ class CodeSearch {
     if (!table_ok_) {
       return static_cast<uint8_t>(std::upper_bound(mid_, mid_ + kBook - 1, r) - mid_);
     }
-    uint32_t bits;
-    std::memcpy(&bits, &r, 4);
-    const int32_t k = std::min(std::max(static_cast<int32_t>((bits & 0x7FFFFFFFu) >> kShift), kFirst),
-                               kLast) - kFirst;
-    const int32_t entry = entry_[(bits >> 31) * kBuckets + k];
-    const int32_t low = static_cast<int32_t>((bits & kLow) ^ ((bits >> 31) ? kLow : 0u));
-    return static_cast<uint8_t>((entry & 0xFF) + (low >= (entry >> 8)));
+    const int32_t t = Key(r);
+    return static_cast<uint8_t>((table_[(t >> kShift) + kBuckets / 2] + static_cast<uint32_t>(t)) >>
+                                kShift);
   }
 
 #ifdef ADAMKIT_AVX2
+  // Code() of each lane of r, as int32 lanes (needs fast()). nonneg: r >= +0 in every lane.
+  template <bool nonneg>
+  __attribute__((target("avx2"), always_inline)) inline __m256i Codes8(__m256 r) const {
+    __m256i t = _mm256_castps_si256(r);
+    if (!nonneg) t = _mm256_xor_si256(t, _mm256_srli_epi32(_mm256_srai_epi32(t, 31), 1));
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table_.data()) + kBuckets / 2,
+                                                 _mm256_srai_epi32(t, kShift), 4);
+    return _mm256_srli_epi32(_mm256_add_epi32(entry, t), kShift);
+  }
+
   // Code() of x[i] * inv for i < n (a multiple of 8), eight at a time (needs fast()).
   __attribute__((target("avx2"))) void CodesAvx2(const float* x, float inv, int64_t n,
                                                  uint8_t* out) const {
     const __m256 vinv = _mm256_set1_ps(inv);
-    const __m256i byte = _mm256_set1_epi32(0xFF), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m256i low_bits = _mm256_set1_epi32(kLow), one = _mm256_set1_epi32(1);
-    const __m256i first = _mm256_set1_epi32(kFirst), last = _mm256_set1_epi32(kLast);
     for (int64_t i = 0; i < n; i += 8) {
-      const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
-      const __m256i bits = _mm256_castps_si256(r);
-      const __m256i k = _mm256_sub_epi32(
-          _mm256_min_epi32(_mm256_max_epi32(
-                               _mm256_srli_epi32(_mm256_and_si256(bits, magnitude), kShift), first),
-                           last),
-          first);
-      const __m256i sign = _mm256_srai_epi32(bits, 31);  // all ones for a negative float
-      const __m256i idx = _mm256_add_epi32(k, _mm256_and_si256(sign, _mm256_set1_epi32(kBuckets)));
-      const __m256i entry = _mm256_i32gather_epi32(entry_, idx, 4);
-      const __m256i low = _mm256_xor_si256(_mm256_and_si256(bits, low_bits),
-                                           _mm256_and_si256(sign, low_bits));
-      const __m256i code = _mm256_add_epi32(  // count + 1 - (midpoint's bits > r's bits)
-          _mm256_add_epi32(_mm256_and_si256(entry, byte), one),
-          _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 8), low));
+      const __m256i code = Codes8<false>(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
       const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(code),
                                            _mm256_extracti128_si256(code, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packus_epi16(c16, c16));
     }
   }
+
+  // Codes8 on sixteen lanes, each in byte 2 of its lane (the other bytes are not zero).
+  template <bool nonneg>
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"), always_inline)) inline __m512i
+  Codes16(__m512 r) const {
+    __m512i t = _mm512_castps_si512(r);
+    if (!nonneg) t = _mm512_mask_xor_epi32(t, _mm512_movepi32_mask(t), t, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i entry = _mm512_i32gather_epi32(_mm512_srai_epi32(t, kShift),
+                                                 table_.data() + kBuckets / 2, 4);
+    return _mm512_add_epi32(entry, t);
+  }
 #endif
 
  private:
-  static constexpr int32_t kBits = 9;  // mantissa bits of a bucket
-  static constexpr int32_t kShift = 23 - kBits;
-  // A bucket is a magnitude's bits >> kShift (exponent and top mantissa bits), clamped to
-  // [kFirst, kLast]: from 2^-24 to the top of [1, 2).
-  static constexpr int32_t kFirst = (127 - 24) << kBits, kLast = (128 << kBits) - 1;
-  static constexpr int32_t kBuckets = kLast - kFirst + 1;  // per sign
-  static constexpr uint32_t kLow = (1u << kShift) - 1;  // the bits below a bucket's
-  static constexpr int32_t kNever = 1 << kShift;      // above any low bits: no midpoint
+  static constexpr int32_t kShift = 16;  // the low bits of t below a bucket
+  static constexpr int32_t kLow = (1 << kShift) - 1;
+  static constexpr int64_t kBuckets = int64_t{1} << (32 - kShift);
 
-  // The magnitudes [lo, hi] of bucket k; the first starts at 0, the last ends at +inf:
-  // true for those two (their low bits do not order their values).
-  static bool Bucket(int64_t k, float* lo, float* hi) {
-    uint32_t a = static_cast<uint32_t>(kFirst + k) << kShift, b = a | kLow;
-    std::memcpy(lo, &a, 4);
-    std::memcpy(hi, &b, 4);
-    if (k == 0) *lo = 0.0f;
-    if (k == kBuckets - 1) *hi = INFINITY;
-    return k == 0 || k == kBuckets - 1;
+  // The order-preserving key of a float that is not NaN (-0.0 is -1, +0.0 is 0).
+  static int32_t Key(float r) {
+    int32_t bits;
+    std::memcpy(&bits, &r, 4);
+    return bits ^ static_cast<int32_t>(static_cast<uint32_t>(bits >> 31) >> 1);
   }
 
   float mid_[kBook];  // the 255 midpoints, then +inf (the binary search's)
-  int32_t entry_[2 * kBuckets];
+  std::vector<uint32_t> table_;
   bool table_ok_ = false;
 };
 
@@ -1180,15 +1172,420 @@ void Decode(const QBuffer& b, int64_t block, int64_t blk, int64_t c, float* x) {
   DecodeBlock(b, block, blk, c, x);
 }
 
+// The AVX2 pass over a leaf's whole blocks when every state buffer is 8-bit and the step
+// has no AMSGrad (the other cases take RunBlocks' general path, which this mirrors bit for
+// bit). Block by block, in one loop over groups of eight elements: decode m and v (a gather
+// from the code book each), the step (QStep8: Update's operations in the same order, no
+// FMA), sanitize, store the new moments in a stack buffer and keep the block's largest
+// magnitudes; then the block's scales. The codes of block j are encoded in the same loop
+// as the step of block j + 1, so that the encode's integer work and gathers fill the time
+// the divider spends on the step's sqrt and division.
+#ifdef ADAMKIT_AVX2
+constexpr int64_t kFastMaxBlock = 1024;  // the stack buffers' block size bound
+constexpr int64_t kPrefetch = 512;       // elements ahead (prefetching past a buffer is harmless)
+
+// The scalars of Scalars, broadcast (lr negated once, as Update's -k.lr).
+struct Scalars8 {
+  __m256 b1, omb1, b2, omb2, eps, neg_lr, wd, c1, c2;
+};
+
+template <int64_t kind, bool nesterov, int64_t decay>
+__attribute__((target("avx2"), always_inline)) inline void QStep8(const Scalars8& k, __m256 g,
+                                                                  __m256& p, __m256& m,
+                                                                  __m256& v) {
+  if (decay == kL2) g = _mm256_add_ps(g, _mm256_mul_ps(k.wd, p));
+  const __m256 mi = _mm256_add_ps(_mm256_mul_ps(k.b1, m), _mm256_mul_ps(k.omb1, g));
+  __m256 vi, u;
+  if (kind == kAdamax) {
+    // std::max(b2 * v, |g|): the first operand unless the second is larger (NaN: the first).
+    const __m256 abs_g = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g);
+    vi = _mm256_max_ps(abs_g, _mm256_mul_ps(k.b2, v));
+    u = _mm256_div_ps(mi, _mm256_mul_ps(k.c1, _mm256_add_ps(vi, k.eps)));
+  } else {
+    vi = _mm256_add_ps(_mm256_mul_ps(k.b2, v), _mm256_mul_ps(k.omb2, _mm256_mul_ps(g, g)));
+    const __m256 n =
+        nesterov ? _mm256_add_ps(_mm256_mul_ps(k.b1, mi), _mm256_mul_ps(k.omb1, g)) : mi;
+    if (kind == kAdamHat) {
+      u = _mm256_div_ps(_mm256_mul_ps(k.c1, n), _mm256_add_ps(_mm256_sqrt_ps(vi), k.eps));
+    } else {
+      u = _mm256_div_ps(_mm256_mul_ps(n, k.c1),
+                        _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, k.c2)), k.eps));
+    }
+  }
+  m = mi;
+  v = vi;
+  if (decay == kDecoupled) u = _mm256_add_ps(u, _mm256_mul_ps(k.wd, p));
+  p = _mm256_add_ps(p, _mm256_mul_ps(k.neg_lr, u));
+}
+
+// Sanitize() on eight values: non-finite to 0, and (nonneg) negative to 0.
+template <bool nonneg>
+__attribute__((target("avx2"), always_inline)) inline __m256 QSanitize8(__m256 x) {
+  const __m256i exp = _mm256_set1_epi32(0x7F800000);
+  const __m256i bits = _mm256_castps_si256(x);
+  x = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(bits, exp), exp)), x);
+  return nonneg ? _mm256_max_ps(x, _mm256_setzero_ps()) : x;
+}
+
+__attribute__((target("avx2"), always_inline)) inline __m256 QDecode8(const uint8_t* code,
+                                                                      const float* book,
+                                                                      __m256 scale) {
+  const __m256i k = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
+  return _mm256_mul_ps(_mm256_i32gather_ps(book, k, 4), scale);
+}
+
+template <bool nonneg>
+__attribute__((target("avx2"), always_inline)) inline void QEncode8(const CodeSearch& search,
+                                                                    const float* x, __m256 inv,
+                                                                    uint8_t* out) {
+  const __m256i code = search.Codes8<nonneg>(_mm256_mul_ps(_mm256_load_ps(x), inv));
+  const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(c16, c16));
+}
+
+__attribute__((target("avx2"))) inline float QMax8(__m256 x) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  return *std::max_element(lanes, lanes + 8);
+}
+
+// Blocks [j0, j1) of leaf l, all whole, with bufs[0] (m) and bufs[1] (v) quantized.
+template <int64_t kind, bool nesterov, int64_t decay, bool encode_prev>
+__attribute__((target("avx2"), always_inline)) inline void QBlockAvx2(
+    const Scalars8& k, const QBuffer* bufs, int64_t block, float* p, const float* g,
+    int64_t blk_m, int64_t blk_v, float* xm, float* xv, const float* prev_m,
+    const float* prev_v, __m256 inv_m, __m256 inv_v, uint8_t* prev_code_m,
+    uint8_t* prev_code_v) {
+  const uint8_t* code_m = bufs[0].codes + blk_m * block;
+  const uint8_t* code_v = bufs[1].codes + blk_v * block;
+  const __m256 scale_m = _mm256_set1_ps(bufs[0].scales[blk_m]);
+  const __m256 scale_v = _mm256_set1_ps(bufs[1].scales[blk_v]);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax_m = _mm256_setzero_ps(), amax_v = _mm256_setzero_ps();
+  for (int64_t i = 0; i < block; i += 8) {
+    __m256 m = QDecode8(code_m + i, bufs[0].book, scale_m);
+    __m256 v = QDecode8(code_v + i, bufs[1].book, scale_v);
+    __m256 pi = _mm256_loadu_ps(p + i);
+    QStep8<kind, nesterov, decay>(k, _mm256_loadu_ps(g + i), pi, m, v);
+    _mm256_storeu_ps(p + i, pi);
+    m = QSanitize8<false>(m);
+    v = QSanitize8<true>(v);
+    _mm256_store_ps(xm + i, m);
+    _mm256_store_ps(xv + i, v);
+    amax_m = _mm256_max_ps(amax_m, _mm256_and_ps(m, magnitude));
+    amax_v = _mm256_max_ps(amax_v, _mm256_and_ps(v, magnitude));
+    if (encode_prev) {
+      QEncode8<false>(*bufs[0].search, prev_m + i, inv_m, prev_code_m + i);
+      QEncode8<true>(*bufs[1].search, prev_v + i, inv_v, prev_code_v + i);
+    }
+  }
+  bufs[0].scales[blk_m] = std::max(QMax8(amax_m), kScaleFloor);
+  bufs[1].scales[blk_v] = std::max(QMax8(amax_v), kScaleFloor);
+}
+
+template <int64_t kind, bool nesterov, int64_t decay>
+__attribute__((target("avx2"))) void QuantBlocksAvx2(const QLeaf& l, const QBuffer* bufs,
+                                                     int64_t block, const float* s, int64_t j0,
+                                                     int64_t j1) {
+  const Scalars sc = LoadScalars(s);
+  const Scalars8 k{_mm256_set1_ps(sc.b1),   _mm256_set1_ps(sc.omb1), _mm256_set1_ps(sc.b2),
+                   _mm256_set1_ps(sc.omb2), _mm256_set1_ps(sc.eps),  _mm256_set1_ps(-sc.lr),
+                   _mm256_set1_ps(sc.wd),   _mm256_set1_ps(sc.c1),   _mm256_set1_ps(sc.c2)};
+  alignas(32) float x[2][2][kFastMaxBlock];  // [block parity][m, v]
+  const __m256 none = _mm256_setzero_ps();
+  for (int64_t j = j0; j < j1; ++j) {
+    float* xm = x[j & 1][0];
+    float* xv = x[j & 1][1];
+    float* p = l.p + j * block;
+    const float* g = l.g + j * block;
+    const int64_t bm = l.at[0] + j, bv = l.at[1] + j;
+    if (j == j0) {
+      QBlockAvx2<kind, nesterov, decay, false>(k, bufs, block, p, g, bm, bv, xm, xv, nullptr,
+                                               nullptr, none, none, nullptr, nullptr);
+    } else {
+      QBlockAvx2<kind, nesterov, decay, true>(
+          k, bufs, block, p, g, bm, bv, xm, xv, x[(j - 1) & 1][0], x[(j - 1) & 1][1],
+          _mm256_set1_ps(1.0f / bufs[0].scales[bm - 1]), _mm256_set1_ps(1.0f / bufs[1].scales[bv - 1]),
+          bufs[0].codes + (bm - 1) * block, bufs[1].codes + (bv - 1) * block);
+    }
+  }
+  if (j1 > j0) {  // the last block's codes
+    const int64_t j = j1 - 1, bm = l.at[0] + j, bv = l.at[1] + j;
+    const __m256 inv_m = _mm256_set1_ps(1.0f / bufs[0].scales[bm]);
+    const __m256 inv_v = _mm256_set1_ps(1.0f / bufs[1].scales[bv]);
+    for (int64_t i = 0; i < block; i += 8) {
+      QEncode8<false>(*bufs[0].search, x[j & 1][0] + i, inv_m, bufs[0].codes + bm * block + i);
+      QEncode8<true>(*bufs[1].search, x[j & 1][1] + i, inv_v, bufs[1].codes + bv * block + i);
+    }
+  }
+}
+
+// The same pass in AVX-512 (with VBMI's byte permutes), for blocks of 64 or more: 64
+// elements per iteration, and no gather to decode. The code book's 256 floats are held as
+// four planes of 256 bytes (byte k of each float), each plane sixteen zmm registers' worth;
+// a byte of every one of 64 codes is two two-table permutes and a blend on the code's top
+// bit, and the four planes interleave back into floats. Interleaving works within 128-bit
+// lanes, so the codes enter in the order LaneOrder() (element 16q + 4l + j at 16l + 4q + j).
+#define ADAMKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
+
+bool HasAvx512Vbmi() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi");
+  }();
+  return has;
+}
+
+struct Scalars16 {
+  __m512 b1, omb1, b2, omb2, eps, neg_lr, wd, c1, c2;
+};
+
+// QStep8 on sixteen lanes.
+template <int64_t kind, bool nesterov, int64_t decay>
+ADAMKIT_AVX512 __attribute__((always_inline)) inline void QStep16(const Scalars16& k, __m512 g,
+                                                                  __m512& p, __m512& m,
+                                                                  __m512& v) {
+  if (decay == kL2) g = _mm512_add_ps(g, _mm512_mul_ps(k.wd, p));
+  const __m512 mi = _mm512_add_ps(_mm512_mul_ps(k.b1, m), _mm512_mul_ps(k.omb1, g));
+  __m512 vi, u;
+  if (kind == kAdamax) {
+    const __m512 abs_g = _mm512_andnot_ps(_mm512_set1_ps(-0.0f), g);
+    vi = _mm512_max_ps(abs_g, _mm512_mul_ps(k.b2, v));
+    u = _mm512_div_ps(mi, _mm512_mul_ps(k.c1, _mm512_add_ps(vi, k.eps)));
+  } else {
+    vi = _mm512_add_ps(_mm512_mul_ps(k.b2, v), _mm512_mul_ps(k.omb2, _mm512_mul_ps(g, g)));
+    const __m512 n =
+        nesterov ? _mm512_add_ps(_mm512_mul_ps(k.b1, mi), _mm512_mul_ps(k.omb1, g)) : mi;
+    if (kind == kAdamHat) {
+      u = _mm512_div_ps(_mm512_mul_ps(k.c1, n), _mm512_add_ps(_mm512_sqrt_ps(vi), k.eps));
+    } else {
+      u = _mm512_div_ps(_mm512_mul_ps(n, k.c1),
+                        _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, k.c2)), k.eps));
+    }
+  }
+  m = mi;
+  v = vi;
+  if (decay == kDecoupled) u = _mm512_add_ps(u, _mm512_mul_ps(k.wd, p));
+  p = _mm512_add_ps(p, _mm512_mul_ps(k.neg_lr, u));
+}
+
+// A code book as four byte planes, 4 x 4 zmm.
+struct BookPlanes {
+  __m512i t[4][4];
+};
+
+ADAMKIT_AVX512 inline void LoadPlanes(const float* book, BookPlanes* out) {
+  alignas(64) uint8_t planes[4][kBook];
+  for (int64_t c = 0; c < kBook; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, &book[c], 4);
+    for (int64_t b = 0; b < 4; ++b) planes[b][c] = static_cast<uint8_t>(bits >> (8 * b));
+  }
+  for (int64_t b = 0; b < 4; ++b) {
+    for (int64_t q = 0; q < 4; ++q) out->t[b][q] = _mm512_load_si512(planes[b] + 64 * q);
+  }
+}
+
+ADAMKIT_AVX512 inline __m512i LaneOrder() {
+  alignas(64) uint8_t idx[64];
+  for (int l = 0; l < 4; ++l) {
+    for (int q = 0; q < 4; ++q) {
+      for (int j = 0; j < 4; ++j) idx[16 * l + 4 * q + j] = static_cast<uint8_t>(16 * q + 4 * l + j);
+    }
+  }
+  return _mm512_load_si512(idx);
+}
+
+// book[code[i]] * scale for 64 codes, as x[q] = elements 16q .. 16q + 15.
+ADAMKIT_AVX512 __attribute__((always_inline)) inline void QDecode64(const BookPlanes& bp,
+                                                                    __m512i order,
+                                                                    const uint8_t* code,
+                                                                    __m512 scale, __m512 x[4]) {
+  const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(code));
+  const __mmask64 top = _mm512_movepi8_mask(c);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    b[k] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(bp.t[k][0], c, bp.t[k][1]),
+                                  _mm512_permutex2var_epi8(bp.t[k][2], c, bp.t[k][3]));
+  }
+  const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+  x[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), scale);
+  x[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), scale);
+  x[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), scale);
+  x[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), scale);
+}
+
+// The codes of x[0 .. 64) * inv, stored at out: byte 2 of Codes16's lanes, picked by
+// two-table byte permutes (pick: byte 4i + 2 of the pair to byte i, and again from 32 on).
+template <bool nonneg>
+ADAMKIT_AVX512 __attribute__((always_inline)) inline void QEncode64(const CodeSearch& search,
+                                                                    __m512i pick, const float* x,
+                                                                    __m512 inv, uint8_t* out) {
+  __m512i c[4];
+  for (int q = 0; q < 4; ++q) {
+    c[q] = search.Codes16<nonneg>(_mm512_mul_ps(_mm512_load_ps(x + 16 * q), inv));
+  }
+  const __m512i lo = _mm512_permutex2var_epi8(c[0], pick, c[1]);
+  const __m512i hi = _mm512_permutex2var_epi8(c[2], pick, c[3]);
+  _mm512_storeu_si512(out, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi));
+}
+
+ADAMKIT_AVX512 inline __m512i TopBytes() {
+  alignas(64) uint8_t idx[64];
+  for (int i = 0; i < 64; ++i) idx[i] = static_cast<uint8_t>(4 * (i % 32) + 2);
+  return _mm512_load_si512(idx);
+}
+
+template <int64_t kind, bool nesterov, int64_t decay, bool encode_prev>
+ADAMKIT_AVX512 __attribute__((always_inline)) inline void QBlockAvx512(
+    const Scalars16& k, const QBuffer* bufs, const BookPlanes& book_m, const BookPlanes& book_v,
+    __m512i order, __m512i pick, int64_t block, float* p, const float* g, int64_t blk_m,
+    int64_t blk_v,
+    float* xm, float* xv, const float* prev_m, const float* prev_v, __m512 inv_m, __m512 inv_v,
+    uint8_t* prev_code_m, uint8_t* prev_code_v) {
+  const uint8_t* code_m = bufs[0].codes + blk_m * block;
+  const uint8_t* code_v = bufs[1].codes + blk_v * block;
+  const __m512 scale_m = _mm512_set1_ps(bufs[0].scales[blk_m]);
+  const __m512 scale_v = _mm512_set1_ps(bufs[1].scales[blk_v]);
+  __m512 amax_m = _mm512_setzero_ps(), amax_v = _mm512_setzero_ps();
+  __m512 sum_m = _mm512_setzero_ps();  // not finite when some m is not (or the sum overflows)
+  for (int64_t i = 0; i < block; i += 64) {
+    // The hardware's stream prefetch alone leaves the loop waiting on memory.
+    for (int q = 0; q < 4; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + kPrefetch + 16 * q), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + i + kPrefetch + 16 * q), _MM_HINT_T0);
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(code_m + i + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(code_v + i + kPrefetch), _MM_HINT_T0);
+    __m512 m[4], v[4];
+    QDecode64(book_m, order, code_m + i, scale_m, m);
+    QDecode64(book_v, order, code_v + i, scale_v, v);
+    for (int q = 0; q < 4; ++q) {
+      __m512 pq = _mm512_loadu_ps(p + i + 16 * q);
+      QStep16<kind, nesterov, decay>(k, _mm512_loadu_ps(g + i + 16 * q), pq, m[q], v[q]);
+      _mm512_storeu_ps(p + i + 16 * q, pq);
+      // Sanitize() where every value is finite, and what tells that: a NaN of v is 0 after
+      // max(v, 0), -inf too, +inf stays in amax_v; the sum of m catches m's.
+      v[q] = _mm512_max_ps(v[q], _mm512_setzero_ps());
+      _mm512_store_ps(xm + i + 16 * q, m[q]);
+      _mm512_store_ps(xv + i + 16 * q, v[q]);
+      amax_m = _mm512_range_ps(amax_m, m[q], 0x0B);  // 0x0B: the larger magnitude, sign cleared
+      amax_v = _mm512_max_ps(amax_v, v[q]);
+      sum_m = _mm512_add_ps(sum_m, m[q]);
+    }
+    if (encode_prev) {
+      QEncode64<false>(*bufs[0].search, pick, prev_m + i, inv_m, prev_code_m + i);
+      QEncode64<true>(*bufs[1].search, pick, prev_v + i, inv_v, prev_code_v + i);
+    }
+  }
+  float am = _mm512_reduce_max_ps(amax_m), av = _mm512_reduce_max_ps(amax_v);
+  if (_mm512_fpclass_ps_mask(sum_m, 0x99) != 0 || !std::isfinite(am) || !std::isfinite(av)) {
+    am = Sanitize(false, block, xm);  // 0x99 above: NaN, +-inf
+    av = Sanitize(true, block, xv);
+  }
+  bufs[0].scales[blk_m] = std::max(am, kScaleFloor);
+  bufs[1].scales[blk_v] = std::max(av, kScaleFloor);
+}
+
+template <int64_t kind, bool nesterov, int64_t decay>
+ADAMKIT_AVX512 void QuantBlocksAvx512(const QLeaf& l, const QBuffer* bufs, int64_t block,
+                                      const float* s, int64_t j0, int64_t j1) {
+  const Scalars sc = LoadScalars(s);
+  const Scalars16 k{_mm512_set1_ps(sc.b1),   _mm512_set1_ps(sc.omb1), _mm512_set1_ps(sc.b2),
+                    _mm512_set1_ps(sc.omb2), _mm512_set1_ps(sc.eps),  _mm512_set1_ps(-sc.lr),
+                    _mm512_set1_ps(sc.wd),   _mm512_set1_ps(sc.c1),   _mm512_set1_ps(sc.c2)};
+  BookPlanes book_m, book_v;
+  LoadPlanes(bufs[0].book, &book_m);
+  LoadPlanes(bufs[1].book, &book_v);
+  const __m512i order = LaneOrder(), pick = TopBytes();
+  alignas(64) float x[2][2][kFastMaxBlock];  // [block parity][m, v]
+  const __m512 none = _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; ++j) {
+    float* p = l.p + j * block;
+    const float* g = l.g + j * block;
+    const int64_t bm = l.at[0] + j, bv = l.at[1] + j;
+    if (j == j0) {
+      QBlockAvx512<kind, nesterov, decay, false>(k, bufs, book_m, book_v, order, pick, block, p, g, bm,
+                                                 bv, x[j & 1][0], x[j & 1][1], nullptr, nullptr,
+                                                 none, none, nullptr, nullptr);
+    } else {
+      QBlockAvx512<kind, nesterov, decay, true>(
+          k, bufs, book_m, book_v, order, pick, block, p, g, bm, bv, x[j & 1][0], x[j & 1][1],
+          x[(j - 1) & 1][0], x[(j - 1) & 1][1], _mm512_set1_ps(1.0f / bufs[0].scales[bm - 1]),
+          _mm512_set1_ps(1.0f / bufs[1].scales[bv - 1]), bufs[0].codes + (bm - 1) * block,
+          bufs[1].codes + (bv - 1) * block);
+    }
+  }
+  if (j1 > j0) {  // the last block's codes
+    const int64_t j = j1 - 1, bm = l.at[0] + j, bv = l.at[1] + j;
+    const __m512 inv_m = _mm512_set1_ps(1.0f / bufs[0].scales[bm]);
+    const __m512 inv_v = _mm512_set1_ps(1.0f / bufs[1].scales[bv]);
+    for (int64_t i = 0; i < block; i += 64) {
+      QEncode64<false>(*bufs[0].search, pick, x[j & 1][0] + i, inv_m, bufs[0].codes + bm * block + i);
+      QEncode64<true>(*bufs[1].search, pick, x[j & 1][1] + i, inv_v, bufs[1].codes + bv * block + i);
+    }
+  }
+}
+#endif
+
+// The fast pass of RunBlocks for a variant and its buffers, or nullptr where there is none.
+using QuantFn = void (*)(const QLeaf&, const QBuffer*, int64_t, const float*, int64_t, int64_t);
+
+template <int64_t kind, bool nesterov>
+QuantFn PickQuantDecay(int64_t decay, bool avx512) {
+#ifdef ADAMKIT_AVX2
+  if (avx512) {
+    if (decay == kL2) return QuantBlocksAvx512<kind, nesterov, kL2>;
+    if (decay == kDecoupled) return QuantBlocksAvx512<kind, nesterov, kDecoupled>;
+    return QuantBlocksAvx512<kind, nesterov, kNoDecay>;
+  }
+  if (decay == kL2) return QuantBlocksAvx2<kind, nesterov, kL2>;
+  if (decay == kDecoupled) return QuantBlocksAvx2<kind, nesterov, kDecoupled>;
+  return QuantBlocksAvx2<kind, nesterov, kNoDecay>;
+#else
+  return nullptr;
+#endif
+}
+
+QuantFn PickQuant(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, const QBuffer* bufs,
+                  int64_t block) {
+#ifdef ADAMKIT_AVX2
+  if (!HasAvx2() || amsgrad || block < 8 || block > kFastMaxBlock) return nullptr;
+  if (!bufs[0].quantized || !bufs[1].quantized || !bufs[0].search->fast() ||
+      !bufs[1].search->fast()) {
+    return nullptr;
+  }
+  const bool avx512 = block >= 64 && HasAvx512Vbmi();
+  if (kind == kAdamax) return PickQuantDecay<kAdamax, false>(decay, avx512);
+  if (kind == kAdamHat) {
+    return nesterov ? PickQuantDecay<kAdamHat, true>(decay, avx512)
+                    : PickQuantDecay<kAdamHat, false>(decay, avx512);
+  }
+  return nesterov ? PickQuantDecay<kAdamCorrected, true>(decay, avx512)
+                  : PickQuantDecay<kAdamCorrected, false>(decay, avx512);
+#else
+  return nullptr;
+#endif
+}
+
 // The step on blocks [lo, hi) of the concatenated leaves (each leaf starts a block): the
 // block's quantized moments decoded into scratch, the float32 step's loop `fn`, encoded.
-void RunBlocks(ChunkFn fn, const std::vector<QLeaf>& leaves, const QBuffer* bufs,
+void RunBlocks(ChunkFn fn, QuantFn fast, const std::vector<QLeaf>& leaves, const QBuffer* bufs,
                int64_t nstate, int64_t block, const float* s, int64_t lo, int64_t hi) {
   std::vector<float> scratch(static_cast<size_t>(nstate * block));
   int64_t base = 0;
   for (const QLeaf& l : leaves) {
     const int64_t nb = (l.n + block - 1) / block;
-    for (int64_t j = std::max(lo, base) - base; j < std::min(hi, base + nb) - base; ++j) {
+    int64_t j = std::max(lo, base) - base;
+    const int64_t end = std::min(hi, base + nb) - base;
+    if (fast != nullptr) {  // the whole blocks
+      const int64_t whole = std::min(end, l.n / block);
+      if (j < whole) fast(l, bufs, block, s, j, whole);
+      j = std::max(j, whole);
+    }
+    for (; j < end; ++j) {
       const int64_t e0 = j * block, c = std::min(block, l.n - e0);
       float* x[kMaxStateBuffers] = {nullptr, nullptr, nullptr};
       for (int64_t k = 0; k < nstate; ++k) {
@@ -1332,18 +1729,19 @@ ffi::Error StepQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     blocks += nb;
   }
   ChunkFn fn = Pick(kind, nesterov, decay, amsgrad);
+  QuantFn fast = PickQuant(kind, nesterov, decay, amsgrad, bufs, block);
   const float* s = scalars.typed_data();
 
   constexpr int64_t kMinPerChunk = 1 << 16;  // elements, as the float32 step
   const int64_t total = blocks * block;
   if (total < 2 * kMinPerChunk) {
-    RunBlocks(fn, leaves, bufs, nstate, block, s, 0, blocks);
+    RunBlocks(fn, fast, leaves, bufs, nstate, block, s, 0, blocks);
     return ffi::Error::Success();
   }
   const int64_t per = std::max<int64_t>(kMinPerChunk, total / (4 * Threads(pool)));
   ParallelFor(pool, blocks, (per + block - 1) / block,
-              [&leaves, &bufs, fn, s, nstate, block](int64_t lo, int64_t hi) {
-                RunBlocks(fn, leaves, bufs, nstate, block, s, lo, hi);
+              [&leaves, &bufs, fn, fast, s, nstate, block](int64_t lo, int64_t hi) {
+                RunBlocks(fn, fast, leaves, bufs, nstate, block, s, lo, hi);
               });
   return ffi::Error::Success();
 }
