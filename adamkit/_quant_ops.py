@@ -261,9 +261,15 @@ def shardings_like(m, sharding: jax.sharding.Sharding, memory_kind: str | None =
       specs = (spec + (None,), spec)
     else:
       specs = ((None, None), (None,))
-    named = lambda s: jax.sharding.NamedSharding(  # noqa: E731
-        sharding.mesh, jax.sharding.PartitionSpec(*s), memory_kind=kind)
-    return _quant.QuantizedArray(named(specs[0]), named(specs[1]), m.shape, m.fmt)
+    mesh = sharding.mesh
+
+    def named(s, shape):  # an axis the mesh cannot split evenly (a row's one block) stays whole
+      size = lambda a: int(np.prod([mesh.shape[n] for n in (a if isinstance(a, tuple) else (a,))]))  # noqa: E731
+      s = tuple(a if a is None or d % size(a) == 0 else None for a, d in zip(s, shape))
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s), memory_kind=kind)
+
+    return _quant.QuantizedArray(named(specs[0], m.codes.shape), named(specs[1], m.scales.shape),
+                                 m.shape, m.fmt)
   if len(sharding.device_set) == 1:
     one = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=kind)
     return _quant.QuantizedArray(one, one, m.shape, m.fmt)
