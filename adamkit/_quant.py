@@ -471,7 +471,7 @@ def dequantize(q: QuantizedArray) -> jax.Array:
   return _from_blocks(decode_blocks(q.codes, q.scales, q.fmt), q.shape)
 
 
-def zeros(shape: tuple, fmt: Format, *, like: jax.Array | None = None) -> QuantizedArray:
+def zeros(shape: tuple, fmt: Format) -> QuantizedArray:
   """The quantized zeros of ``shape`` (every code reads back 0, every scale the floor)."""
   bshape = blocked_shape(tuple(shape), fmt.block_size)
   zero = quantize(jnp.zeros(bshape[-1:], jnp.float32), Format(fmt.kind, fmt.role,

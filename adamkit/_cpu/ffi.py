@@ -87,18 +87,24 @@ def _check_state(variant: Variant, state, size: int, offset: int) -> None:
           f"{size} elements it must hold from offset {offset}")
 
 
-def dense_step(variant: Variant, s: jax.Array, params: Sequence[jax.Array],
-               grads: Sequence[jax.Array], state: tuple[jax.Array, ...], *, offset: int = 0,
-               decay: bool = False) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
-  """One call of the dense step on ``params`` and ``grads`` (float32 leaves) whose state
-  lies in the buffers of ``state`` back to back from element ``offset``. With ``decay``,
-  ``g + wd * p`` (L2) first. Returns the new params and state, aliased to the inputs."""
+def _check_params_grads(params, grads) -> int:
+  """float32 params and gradients of matching shapes, at least one: returns their count."""
   n = len(params)
   _need(n == len(grads) and n > 0, "one gradient per param, at least one")
   for p, g in zip(params, grads):
     _f32("a param", p)
     _f32("a gradient", g)
     _need(p.shape == g.shape, f"gradient of shape {g.shape} for a param of shape {p.shape}")
+  return n
+
+
+def dense_step(variant: Variant, s: jax.Array, params: Sequence[jax.Array],
+               grads: Sequence[jax.Array], state: tuple[jax.Array, ...], *, offset: int = 0,
+               decay: bool = False) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
+  """One call of the dense step on ``params`` and ``grads`` (float32 leaves) whose state
+  lies in the buffers of ``state`` back to back from element ``offset``. With ``decay``,
+  ``g + wd * p`` (L2) first. Returns the new params and state, aliased to the inputs."""
+  n = _check_params_grads(params, grads)
   _check_state(variant, state, sum(p.size for p in params), offset)
   outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*params, *state)]
   aliases = {1 + i: i for i in range(n)}  # operand 0 is the scalars, then params, grads
@@ -199,12 +205,7 @@ def dense_step_quantized(variant: Variant, s: jax.Array, params: Sequence[jax.Ar
   ``offsets[k]``: elements of a float32 buffer, blocks of a :class:`Codes` one (a leaf
   starts a block; its last block is padded). Returns the new params and state (the
   :class:`Codes` with new codes and scales), aliased to the inputs."""
-  n = len(params)
-  _need(n == len(grads) and n > 0, "one gradient per param, at least one")
-  for p, g in zip(params, grads):
-    _f32("a param", p)
-    _f32("a gradient", g)
-    _need(p.shape == g.shape, f"gradient of shape {g.shape} for a param of shape {p.shape}")
+  n = _check_params_grads(params, grads)
   nstate = state_buffers(variant)
   _need(len(state) == nstate and len(offsets) == nstate,
         f"expected {nstate} state buffers and offsets, got {len(state)} and {len(offsets)}")
