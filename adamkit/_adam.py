@@ -245,7 +245,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     step = functools.partial(amsgrad_direction if amsgrad else adam_direction, **hyper)
 
     def leaf(g, *olds):  # olds: (m, v) or (m, v, v_max), each kept as stored
-      return _quant_ops.leaf_step(step, g, olds)
+      return _quant_ops.leaf_step(step, g, olds, count)
 
     u, *moments = tree_map_multi(leaf, 1 + len(olds), updates, *olds)
     if amsgrad:

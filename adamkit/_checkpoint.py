@@ -52,19 +52,20 @@ def _group_of(path) -> str:
   return ""
 
 
-def _named_leaves(state: Any) -> list[tuple[str, int, Any, Any]]:
-  """``(name, index, leaf, part)`` for every named array of ``state``: ``leaf`` is the
-  ``index``-th of :func:`_units` (a quantized moment is one leaf, named as the float32
+def _named_leaves(state: Any) -> list[tuple[str, int, Any, Any, str | None]]:
+  """``(name, index, leaf, part, count)`` for every named array of ``state``: ``leaf`` is
+  the ``index``-th of :func:`_units` (a quantized moment is one leaf, named as the float32
   moment it stands for); ``part`` is ``None`` (the whole leaf) or ``(offset, shape)``,
-  one param's moment in a multi-tensor flat buffer (several names then share a leaf)."""
+  one param's moment in a multi-tensor flat buffer (several names then share a leaf);
+  ``count`` names the step count of a moment's state (``None`` for other leaves)."""
   nodes, _ = jax.tree_util.tree_flatten_with_path(
       state, is_leaf=lambda x: is_moment_state(x) or _quant.is_qarray(x))
   n_moment = sum(1 for _, n in nodes if is_moment_state(n))
   out = []
   index = 0
 
-  def add(name, leaf, part=None):
-    out.append((name, index, leaf, part))
+  def add(name, leaf, part=None, count=None):
+    out.append((name, index, leaf, part, count))
 
   for path, node in nodes:
     if not is_moment_state(node):
@@ -77,7 +78,8 @@ def _named_leaves(state: Any) -> list[tuple[str, int, Any, Any]]:
     prefix = ""
     if n_moment > 1:
       prefix = (group or path_name(path)) + "."
-    add(prefix + "step", node.count)
+    count = prefix + "step"
+    add(count, node.count)
     index += 1
     for field, suffix in MOMENT_FIELDS:
       if field not in node._fields:
@@ -87,11 +89,11 @@ def _named_leaves(state: Any) -> list[tuple[str, int, Any, Any]]:
         for key, buf in moments.items():
           for name, shape, buf_key, at in moments.slots:
             if buf_key == key:
-              add(f"{name}.{suffix}", buf, (at, shape))
+              add(f"{name}.{suffix}", buf, (at, shape), count)
           index += 1
         continue
       for p, leaf in jax.tree_util.tree_flatten_with_path(moments, is_leaf=_quant.is_qarray)[0]:
-        add(f"{path_name(p) or 'param'}.{suffix}", leaf)
+        add(f"{path_name(p) or 'param'}.{suffix}", leaf, count=count)
         index += 1
   return out
 
@@ -166,7 +168,7 @@ def state_dict(state: Any, params: Any = None) -> dict[str, np.ndarray]:
     raise ValueError(f"state_dict: names {sorted(dupes)} are ambiguous in this state.")
   wholes = {}  # a flat buffer is gathered once for all the params it holds
   out = {}
-  for name, index, leaf, part in named:
+  for name, index, leaf, part, _ in named:
     if index not in wholes:
       wholes[index] = _to_numpy(leaf)
     out[name] = _part(wholes[index], part)
@@ -208,14 +210,15 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
     if extra:
       raise ValueError(f"load_state_dict: unexpected entries {sorted(extra)[:8]}.")
   values, likes = {}, {}
-  for name, index, like, part in named:
+  for name, index, like, part, count in named:
     value = np.asarray(flat[name])
     want = tuple(like.shape) if part is None else tuple(part[1])
     if value.shape != want:
       raise ValueError(f"load_state_dict: '{name}' has shape {value.shape}, expected {want}.")
     likes[index] = like
     if _quant.is_qarray(like):
-      values[index] = _quant_ops.quantized_like(value, like)
+      # the 4-bit dither of the loaded state's step (quantize(m_t) at count t)
+      values[index] = _quant_ops.quantized_like(value, like, 0 if count is None else flat[count])
       continue
     value = value.astype(like.dtype)
     if part is None:

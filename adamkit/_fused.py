@@ -452,7 +452,7 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
       bc1 = bc2 = jnp.ones([], jnp.float32)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     hyper = _ops.Hyper(kind, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, lr=f32(lr),
-                       wd=f32(wd), amsgrad=amsgrad, decoupled=decoupled)
+                       wd=f32(wd), amsgrad=amsgrad, decoupled=decoupled, step=count)
     # The moment buffers by key (a dtype name in multi-tensor mode, else the leaf's index):
     # m, v and, with AMSGrad, v's running maximum, which is laid out as v.
     trees = (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())

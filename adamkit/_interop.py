@@ -243,11 +243,11 @@ def _map_states(state, fn):
   return state
 
 
-def _like(value, old):
+def _like(value, old, step=0):
   """``value`` as an array with the dtype, shape and placement of ``old`` (quantized in
-  ``old``'s format where ``old`` is a quantized moment)."""
+  ``old``'s format where ``old`` is a quantized moment, at step count ``step``)."""
   if _quant.is_qarray(old):
-    return _quant_ops.quantized_like(value, old)
+    return _quant_ops.quantized_like(value, old, step)
   arr = np.asarray(value).astype(old.dtype)
   if arr.shape != old.shape:
     raise ValueError(f"shape {arr.shape} does not match the parameter's {old.shape}")
@@ -281,7 +281,7 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
       return None
     key, value = hit
     try:
-      return _like(value, like)
+      return _like(value, like, t)
     except ValueError as e:
       raise ValueError(f"{framework} entry {key!r}: {e}") from None
 
@@ -292,7 +292,7 @@ def _import(lookup, params, tx, *, names, step, strict, framework, powers, b1, b
         value = framework_value(name, jax.ShapeDtypeStruct(shape, bufs[key].dtype), what)
         if value is not None:
           bufs[key][at:at + value.size] = np.asarray(value).ravel()
-      return tree.replace({k: _like(b, tree[k]) for k, b in bufs.items()})
+      return tree.replace({k: _like(b, tree[k], t) for k, b in bufs.items()})
     def leaf(path, old):
       new = framework_value(path, old, what)
       return old if new is None else new

@@ -18,10 +18,13 @@ A dense step's moment buffer may also be quantized (:class:`adamkit._quant.Quant
 codes and one scale per block): the leaf's own (``None``), or a flat one of shape ``(n,)``
 in which each leaf starts a block (offsets are elements, multiples of the block; a leaf
 takes its size rounded up to whole blocks). The step reads it dequantized and stores its
-new value quantized; the kernel does both per block in its one pass ("8bit" only).
+new value quantized; the kernel does both per block in its one pass ("8bit" only). The
+4-bit first moment's dither is keyed on :attr:`Hyper.step` and each element's flat
+position in its leaf (from 0 for every leaf of a flat buffer too).
 
 A table's own moment may also be stored quantized (blocks within rows): the lazy row
-step then reads and writes the touched rows' codes and scales, always in XLA.
+step then reads and writes the touched rows' codes and scales, always in XLA; an
+element's position is ``row * D + column`` in the table of rows of ``D`` elements.
 
 The rounded steps (:func:`rounded_dense_step`, :func:`rounded_lazy_row_step`) take bf16 or
 fp16 params, compute in float32 and write them back rounded by a :class:`Rounding`
@@ -32,6 +35,7 @@ takes bf16 params over float32 moments.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -62,6 +66,9 @@ class Hyper(NamedTuple):
   wd: jax.Array = np.float32(0.0)  # decay coefficient of the leaves stepped with `decay`
   amsgrad: bool = False  # state (m, v, vmax): max(vmax, v) replaces v in the denominator
   decoupled: bool = False  # `decay` adds wd * w to the direction (AdamW), not to g (L2)
+  # int32 scalar: the step count t of the moments this step stores (1 at the first step),
+  # which keys the 4-bit first moment's dither; None where no moment is stored quantized
+  step: jax.Array | None = None
 
 
 STATE_NAMES = ("first moment", "second moment", "running maximum of the second moment")
@@ -249,7 +256,7 @@ def rounded_dense_step(h: Hyper, r: Rounding, params: Sequence[jax.Array],
     new_p, c = _round(r, j, p, step)
     out.append(new_p)
     comps.append(c)
-    state = tuple(_store(buf, a[j], x) for buf, a, x in zip(state, offsets, news))
+    state = tuple(_store(buf, a[j], x, h.step) for buf, a, x in zip(state, offsets, news))
   return out, state, tuple(comps) if r.method == "kahan" else ()
 
 
@@ -337,14 +344,14 @@ def _load(buf, at: int | None, shape: tuple):
   return _quant.dequantize(leaf)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
 
 
-def _store(buf, at: int | None, x):
+def _store(buf, at: int | None, x, step):
   """``buf`` with the leaf moment ``x`` written back (see :func:`put`), quantized if
-  ``buf`` is."""
+  ``buf`` is (``step``: :attr:`Hyper.step`; the positions are the leaf's own)."""
   if not _quant.is_qarray(buf):
     return put(buf, at, x)
   if at is None:
-    return _quant.store(x, buf)
-  leaf = _quant.quantize(x.reshape(-1), buf.fmt)
+    return _quant.store(x, buf, step=step)
+  leaf = _quant.quantize(x.reshape(-1), buf.fmt, step=step)
   first = at // buf.fmt.block_size
   codes = lax.dynamic_update_slice(buf.codes, leaf.codes.reshape((-1,) + buf.codes.shape[1:]),
                                    (first, 0))
@@ -391,7 +398,7 @@ def _dense_xla(leaf_fn, h: Hyper, params, grads, state, offsets, decay: bool):
     olds = [_load(buf, a[j], p.shape) for buf, a in zip(state, offsets)]
     new_p, *news = leaf_fn(h, p, g, olds, decay)
     out.append(new_p)
-    state = tuple(_store(buf, a[j], x) for buf, a, x in zip(state, offsets, news))
+    state = tuple(_store(buf, a[j], x, h.step) for buf, a, x in zip(state, offsets, news))
   return out, state
 
 
@@ -446,7 +453,8 @@ def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
   tables = [view(buf, a, table_shape) for buf, a in zip(state, at)]
   dt = compute_dtype(g.values)
   u, *rows = direction(h, g.values.astype(dt), *(_take(t, ids).astype(dt) for t in tables))
-  state = tuple(put(buf, a, _put(t, ids, r)) for buf, a, t, r in zip(state, at, tables, rows))
+  state = tuple(put(buf, a, _put(t, ids, r, h.step))
+                for buf, a, t, r in zip(state, at, tables, rows))
   return ids, u, state
 
 
@@ -458,13 +466,24 @@ def _take(table, ids):
   return gather_rows(table, ids)
 
 
-def _put(table, ids, rows):
+def _put(table, ids, rows, step):
   """``table`` with ``rows`` written at ``ids``; a quantized moment requantizes the rows
-  (each row its own blocks) and scatters their codes and scales."""
+  (each row its own blocks; the 4-bit dither keyed on ``step`` and each element's position
+  in the table, ``id * D + column``) and scatters their codes and scales."""
   if _quant.is_qarray(table):
-    new = _quant.quantize(rows, table.fmt)
+    pos = _row_positions(ids, rows.shape) if _quant.stochastic(table.fmt) else None
+    new = _quant.quantize(rows, table.fmt, step=step, pos=pos)
     return _quant.put_rows(table, lambda x, r: scatter_rows(x, ids, r), new)
   return scatter_rows(table, ids, rows)
+
+
+def _row_positions(ids, shape: tuple) -> jax.Array:
+  """uint32 flat positions in the table of the rows ``ids`` (shape ``(k, *row)``):
+  ``id * prod(row) + the element's flat index in its row``."""
+  row = tuple(shape[1:])
+  in_row = _quant.positions(shape, 0, (0,) + tuple(math.prod(row[a + 1:]) for a in range(len(row))))
+  first = ids.astype(jnp.uint32) * np.uint32(math.prod(row) % 2 ** 32)
+  return in_row + first.reshape((-1,) + (1,) * len(row))
 
 
 def lazy_row_step(h: Hyper, p, g: RowSparse, state, *, at: Sequence[int | None] | None = None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,11 +58,21 @@ class Quantized:
     :math:`q_k = k/7`, :math:`k = -7 \dots 7`, in blocks of 128, rounded *stochastically*
     to one of the two neighbouring levels, up with probability
     :math:`7 y/s_b - \lfloor 7 y/s_b \rfloor`, so :math:`E[\tilde m] = m`. The random
-    number is a hash of the value's float32 bits and of its place in the block:
-    deterministic (the same input gives the same codes, under ``jit`` or not, on every
-    backend) and without state. Nearest rounding instead lets a small :math:`m` stick to
-    a level that :math:`\beta_1 m` rounds back to, a bias that left the loss of the guide's
-    MLP at 3-4x float32's with any 16-level map (and torchao's 4-bit map at 13x). The
+    number is a counter-based hash of integers only: the element's flat position
+    :math:`i` in its leaf (C order; a table row :math:`r`'s element :math:`j` is
+    :math:`i = rD + j`), the optimizer's step count :math:`t` (1 at the first step) and
+    the moment's role, :math:`u_i = \lfloor h((i\cdot\mathtt{0x9E3779B9}) \oplus
+    h(t \oplus \mathtt{0x5BD1E995}))/2^8\rfloor\, 2^{-24}` with :math:`h` the
+    "lowbias32" integer hash, arithmetic modulo :math:`2^{32}`; rounded up when
+    :math:`u_i < 7 y/s_b - \lfloor 7 y/s_b \rfloor`. Never the value's bits: so the
+    codes are the same eager and under ``jit``, on any sharding and number of processes
+    (a float32 :math:`m` that differs by a rounding, from another reduction order, picks
+    the other level only where :math:`7 m/s_b` lies within that rounding of the
+    threshold), fresh at each step, and without state. A fused step's multi-tensor
+    buffer numbers each leaf's elements from 0 too. Nearest rounding instead lets a
+    small :math:`m` stick to a level that :math:`\beta_1 m` rounds back to, a bias that
+    left the loss of the guide's MLP at 3-4x float32's with any 16-level map (and
+    torchao's 4-bit map at 13x). The
     second moment: :math:`\sqrt{v}` on the zero-free logarithmic map
     :math:`q_k = 2^{-(15-k)/2}`, :math:`k = 0 \dots 15` (nearest in :math:`\log_2`, so
     within a factor :math:`2^{1/4}` of :math:`\sqrt{v}`), blocks of 256: a small
@@ -267,18 +278,52 @@ def _hash32(h: jax.Array) -> jax.Array:
   return h ^ (h >> 16)
 
 
-def _dither(r: jax.Array) -> jax.Array:
-  """A number in [0, 1) per element, multiple of 2^-24: a hash of ``r``'s float32 bits and
-  of its place in the block (last axis). Deterministic, no random state."""
-  place = jax.lax.broadcasted_iota(jnp.uint32, r.shape, r.ndim - 1)
-  h = _hash32(jax.lax.bitcast_convert_type(r, jnp.uint32) ^ (place * jnp.uint32(0x9E3779B9)))
+# The 4-bit first moment's dither: a pure function of integers (counter-based), so that the
+# rounding of an element depends on its value only through the comparison with the dither,
+# never through the value's bits. Runs whose m differ by a float32 rounding (eager against
+# jit, one device against a mesh, another reduction order) pick the same level but where
+# 7 m / s lies within that rounding of the threshold.
+DITHER_SALT = {"mu": 0x5BD1E995, "nu": 0x27D4EB2F}  # per role: other moments, other numbers
+_GOLDEN = np.uint32(0x9E3779B9)
+
+
+def dither_key(step: Any, role: str) -> jax.Array:
+  """The dither's key of one step: ``lowbias32(t ^ salt[role])`` (uint32 scalar), for the
+  optimizer's step count ``t`` (the count of the moments being stored: 1 at the first step)."""
+  t = jnp.asarray(step)
+  if not jnp.issubdtype(t.dtype, jnp.integer) or t.ndim:
+    raise TypeError(f"The 4-bit dither's step must be an integer scalar (the optimizer's "
+                    f"count), got {t.dtype}{tuple(t.shape)}.")
+  return _hash32(t.astype(jnp.uint32) ^ np.uint32(DITHER_SALT[role]))
+
+
+def dither(pos: jax.Array, key: jax.Array) -> jax.Array:
+  """A number in [0, 1) per element, a multiple of 2^-24:
+  ``(lowbias32((i * 0x9E3779B9) ^ key) >> 8) * 2^-24`` for the element's position ``i``
+  (uint32, arithmetic modulo 2^32) and the step's :func:`dither_key`."""
+  h = _hash32((pos.astype(jnp.uint32) * _GOLDEN) ^ key)
   return (h >> 8).astype(jnp.float32) * np.float32(2.0 ** -24)
 
 
-def _encode_4bit_mu(r: jax.Array) -> jax.Array:
+def positions(shape: tuple, start: Any = 0, strides: tuple | None = None) -> jax.Array:
+  """uint32 ``start + sum_a index_a * strides[a]`` for each element of an array of
+  ``shape`` (modulo 2^32); ``strides`` default to C order's, so that the positions are the
+  flat indices of a leaf of ``shape`` (shifted by ``start``). Made of iotas over the global
+  shape: under ``jit`` on a mesh each shard gets its own global positions."""
+  shape = tuple(shape)
+  if strides is None:
+    strides = tuple(math.prod(shape[a + 1:]) for a in range(len(shape)))
+  out = jnp.full(shape, jnp.asarray(start).astype(jnp.uint32), jnp.uint32)
+  for a, stride in enumerate(strides):
+    if shape[a] > 1:
+      out = out + jax.lax.broadcasted_iota(jnp.uint32, shape, a) * np.uint32(stride % 2 ** 32)
+  return out
+
+
+def _encode_4bit_mu(r: jax.Array, u: jax.Array) -> jax.Array:
   y = r * np.float32(MU4_LEVELS)
   lo = jnp.floor(y)
-  k = lo + (_dither(r) < y - lo).astype(jnp.float32)  # up with probability y - lo
+  k = lo + (u < y - lo).astype(jnp.float32)  # up with probability y - lo
   return (jnp.clip(k, -MU4_LEVELS, MU4_LEVELS) + MU4_LEVELS).astype(jnp.uint8)
 
 
@@ -397,12 +442,13 @@ def _from_blocks(xb: jax.Array, shape: tuple) -> jax.Array:
   return xb.reshape(-1)[:n].reshape(shape)
 
 
-def _encode(r: jax.Array, fmt: Format) -> jax.Array:
-  """Codes (uint8) of ``r = x / scale`` in [-1, 1] (``"mu"``) or [0, 1] (``"nu"``)."""
+def _encode(r: jax.Array, fmt: Format, u: Callable[[], jax.Array] | None = None) -> jax.Array:
+  """Codes (uint8) of ``r = x / scale`` in [-1, 1] (``"mu"``) or [0, 1] (``"nu"``); ``u()``
+  gives the dither of a stochastically rounded format (the 4-bit first moment)."""
   if fmt.kind == "8bit":
     return _encode_8bit(r, fmt.role)
   if fmt.kind == "4bit":
-    return _encode_4bit_mu(r) if fmt.role == "mu" else _encode_4bit_nu(r)
+    return _encode_4bit_mu(r, u()) if fmt.role == "mu" else _encode_4bit_nu(r)
   y = jnp.clip(r * np.float32(FP8_MAX), -FP8_MAX, FP8_MAX)
   if fmt.role == "nu":  # never round a positive value to zero
     y = jnp.where(y > 0, jnp.maximum(y, FP8_TINY), y)
@@ -431,9 +477,25 @@ def _unpack4(packed: jax.Array, block: int) -> jax.Array:
   return both.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))[..., :block]
 
 
-def encode_blocks(xb: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
+def stochastic(fmt: Format) -> bool:
+  """Whether ``fmt`` rounds stochastically (the 4-bit first moment): its encoder needs the
+  step count and each element's position (see :func:`encode_blocks`)."""
+  return fmt.kind == "4bit" and fmt.role == "mu"
+
+
+def encode_blocks(xb: jax.Array, fmt: Format, *, step: Any = None,
+                  pos: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """``(codes, scales)`` of float32 blocks ``xb`` (last axis: a block). Non-finite values
-  are stored as 0 and left out of the scale, so no block keeps a NaN or Inf scale."""
+  are stored as 0 and left out of the scale, so no block keeps a NaN or Inf scale.
+
+  The 4-bit first moment's stochastic rounding takes its random numbers from :func:`dither`
+  of ``step`` (the optimizer's count of the moment stored, an integer scalar; required
+  there, ignored by the other formats) and ``pos``: each element's flat position in its
+  leaf (uint32, ``xb``'s shape; default: ``xb``'s own C-order flat index, that is, ``xb``
+  is a whole leaf cut into blocks)."""
+  if stochastic(fmt) and step is None:
+    raise ValueError("The 4-bit first moment's stochastic rounding needs the step count "
+                     "(`step`, the optimizer state's count).")
   finite = jnp.isfinite(xb)
   xb = jnp.where(finite, xb, 0.0)
   if fmt.role == "nu":
@@ -442,9 +504,10 @@ def encode_blocks(xb: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
       xb = jnp.sqrt(xb)
   scale = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), SCALE_FLOOR)
   # x * (1 / scale), written out: XLA rewrites a division by a broadcast scale so under
-  # jit, and eager, jitted and kernel codes must agree bit for bit (4-bit's dither hashes
-  # the bits of x / scale).
-  codes = _encode(xb * (np.float32(1.0) / scale)[..., None], fmt)
+  # jit, and eager, jitted and kernel codes must agree bit for bit.
+  u = lambda: dither(positions(xb.shape) if pos is None else pos,  # noqa: E731
+                     dither_key(step, fmt.role))
+  codes = _encode(xb * (np.float32(1.0) / scale)[..., None], fmt, u)
   if fmt.packed:
     codes = _pack4(codes)
   return codes, scale
@@ -460,9 +523,16 @@ def decode_blocks(codes: jax.Array, scales: jax.Array, fmt: Format) -> jax.Array
   return xb
 
 
-def quantize(x: jax.Array, fmt: Format) -> QuantizedArray:
-  """Stores float ``x`` in ``fmt`` (see :class:`Quantized` for the maths)."""
-  codes, scales = encode_blocks(_to_blocks(x.astype(jnp.float32), fmt.block_size), fmt)
+def quantize(x: jax.Array, fmt: Format, *, step: Any = None,
+             pos: jax.Array | None = None) -> QuantizedArray:
+  """Stores float ``x`` in ``fmt`` (see :class:`Quantized` for the maths). ``step`` and
+  ``pos`` (``x``'s shape; default: ``x`` is a whole leaf, its flat indices) key the 4-bit
+  first moment's dither (see :func:`encode_blocks`)."""
+  block = fmt.block_size
+  if pos is not None:
+    pos = _to_blocks(pos.astype(jnp.uint32), block)
+  codes, scales = encode_blocks(_to_blocks(x.astype(jnp.float32), block), fmt, step=step,
+                                pos=pos)
   return QuantizedArray(codes, scales, tuple(x.shape), fmt)
 
 
@@ -474,8 +544,8 @@ def dequantize(q: QuantizedArray) -> jax.Array:
 def zeros(shape: tuple, fmt: Format) -> QuantizedArray:
   """The quantized zeros of ``shape`` (every code reads back 0, every scale the floor)."""
   bshape = blocked_shape(tuple(shape), fmt.block_size)
-  zero = quantize(jnp.zeros(bshape[-1:], jnp.float32), Format(fmt.kind, fmt.role,
-                                                               bshape[-1]))
+  zero = quantize(jnp.zeros(bshape[-1:], jnp.float32), Format(fmt.kind, fmt.role, bshape[-1]),
+                  step=0)  # zeros: every dither gives the code of 0
   code0 = zero.codes.reshape(-1)[0]
   cshape = bshape[:-1] + ((bshape[-1] + 1) // 2 if fmt.packed else bshape[-1],)
   codes = jnp.full(cshape, code0, jnp.uint8)
@@ -499,10 +569,11 @@ def load(m: Any) -> jax.Array:
   return dequantize(m) if is_qarray(m) else m
 
 
-def store(x: jax.Array, like: Any) -> Any:
-  """``x`` stored as ``like`` is (quantized in ``like``'s format, or cast to its dtype)."""
+def store(x: jax.Array, like: Any, *, step: Any = None) -> Any:
+  """``x`` stored as ``like`` is (quantized in ``like``'s format, ``step`` keying the 4-bit
+  dither, see :func:`encode_blocks`; or cast to its dtype)."""
   if is_qarray(like):
-    return quantize(x, like.fmt)
+    return quantize(x, like.fmt, step=step)
   return x.astype(like.dtype)
 
 

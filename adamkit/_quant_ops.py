@@ -13,7 +13,9 @@ the step in two, each of which XLA keeps small:
   fresh output buffers.
 
 Both compute the moments with the same function, so the stored state is
-``quantize(m_t)`` exactly, as the one-pass form would give.
+``quantize(m_t, step=t)`` exactly, as the one-pass form would give: each chunk hands the
+encoder its elements' flat positions in the leaf, which with the step count key the 4-bit
+first moment's dither (:func:`adamkit._quant.dither`).
 
 The chunks of a leaf whose codes keep its leading axes (the last axis a multiple of every
 block) are strided over axis 0: chunk ``k`` holds the rows ``k, k + K, k + 2K, ...``, so a
@@ -44,13 +46,14 @@ CHUNK = 1 << 16  # elements encoded per loop iteration: float32 temporaries of 2
 # ----------------------------------------------------------------------- the leaf step
 
 
-def leaf_step(step: Callable, g: jax.Array, olds) -> tuple:
+def leaf_step(step: Callable, g: jax.Array, olds, count: jax.Array) -> tuple:
   """``step(g, *moments) -> (u, *new_moments)`` on one leaf whose moments ``olds`` are
   stored as plain arrays (any dtype) or :class:`adamkit._quant.QuantizedArray`.
 
   ``step`` sees the moments in the compute dtype (dequantized where stored quantized) and
-  must be elementwise. Returns ``u`` in the gradient's dtype and each new moment stored as
-  its old one is."""
+  must be elementwise. ``count``: the optimizer's step count of the new moments (int32
+  scalar, 1 at the first step), for the 4-bit first moment's dither. Returns ``u`` in the
+  gradient's dtype and each new moment stored as its old one is."""
   dt = compute_dtype(g)
   u, *news = step(g.astype(dt), *(_quant.load(o).astype(dt) for o in olds))
   u = u.astype(g.dtype)
@@ -58,14 +61,15 @@ def leaf_step(step: Callable, g: jax.Array, olds) -> tuple:
     return (u, *(n.astype(o.dtype) for n, o in zip(news, olds)))
   # XLA converts a low-precision g to float32 whole before the loop (bf16 params: 4 bytes
   # per parameter of temporaries, against under 0.2 for float32 ones)
-  stored = _requantize(lambda gc, *oc: step(gc, *oc)[1:], g.astype(dt), olds)
+  stored = _requantize(lambda gc, *oc: step(gc, *oc)[1:], g.astype(dt), olds, count)
   return (u, *(s if _quant.is_qarray(o) else n.astype(o.dtype)
                for s, n, o in zip(stored, news, olds)))
 
 
-def _requantize(moments: Callable, g: jax.Array, olds) -> list:
-  """The new moments of ``moments(g, *olds)`` stored as ``olds`` are, chunk by chunk.
-  Plain moments come back as ``None`` (the caller has them from the elementwise pass)."""
+def _requantize(moments: Callable, g: jax.Array, olds, count) -> list:
+  """The new moments of ``moments(g, *olds)`` stored as ``olds`` are, chunk by chunk
+  (``count`` keys the 4-bit dither). Plain moments come back as ``None`` (the caller has
+  them from the elementwise pass)."""
   quant = [o for o in olds if _quant.is_qarray(o)]
   block = max(q.fmt.block_size for q in quant)
   if g.size == 0:
@@ -73,8 +77,8 @@ def _requantize(moments: Callable, g: jax.Array, olds) -> list:
   if g.ndim and all(_lead_layout(q) for q in quant):
     rows = _Rows(g.shape, block)
     if rows.plan is not None:
-      return _strided(moments, g, olds, rows)
-  return _contiguous(moments, g, olds, block)
+      return _strided(moments, g, olds, rows, count)
+  return _contiguous(moments, g, olds, block, count)
 
 
 def _lead_layout(q) -> bool:
@@ -124,8 +128,17 @@ class _Rows:
     r, k = self.plan
     return x.reshape((r, k) + x.shape[1:])
 
+  def positions(self, i: jax.Array) -> jax.Array:
+    """The flat positions in the leaf of chunk ``i``'s elements, shaped ``(r, *row)``:
+    row ``j`` of the chunk is the leaf's row ``jK + i``."""
+    r, k = self.plan
+    row_size = math.prod(self.row)
+    strides = (k * row_size,) + tuple(math.prod(self.row[a + 1:]) for a in range(len(self.row)))
+    start = i.astype(jnp.uint32) * np.uint32(row_size % 2 ** 32)
+    return _quant.positions((r,) + self.row, start, strides)
 
-def _strided(moments, g, olds, rows: _Rows) -> list:
+
+def _strided(moments, g, olds, rows: _Rows, count) -> list:
   """:func:`_requantize` over strided chunks of rows (see :class:`_Rows`)."""
   gs = rows.split(rows.of(g))
   ins = [tuple(map(rows.split, rows.codes(o))) if _quant.is_qarray(o)
@@ -137,9 +150,10 @@ def _strided(moments, g, olds, rows: _Rows) -> list:
     ocs = [_quant.decode_blocks(*map(take, x), o.fmt).reshape(gc.shape) if _quant.is_qarray(o)
            else take(x).astype(gc.dtype) for o, x in zip(olds, ins)]
     news = moments(gc, *ocs)
+    pos = rows.positions(i)
     return [None if out is None else tuple(
         lax.dynamic_update_index_in_dim(a, x, i, 1)
-        for a, x in zip(out, _quant.encode_blocks(_blocked(n, o.fmt.block_size), o.fmt)))
+        for a, x in zip(out, _encode(n, o.fmt, count, pos)))
         for out, n, o in zip(outs, news, olds)]
 
   fresh = [tuple(map(jnp.zeros_like, x)) if _quant.is_qarray(o) else None
@@ -147,7 +161,7 @@ def _strided(moments, g, olds, rows: _Rows) -> list:
   return _stored(olds, lax.fori_loop(0, rows.plan[1], body, fresh))
 
 
-def _contiguous(moments, g, olds, block: int) -> list:
+def _contiguous(moments, g, olds, block: int, count) -> list:
   """:func:`_requantize` over contiguous chunks of the flattened leaf, each a whole number
   of every block, then the tail (the leaf's last elements, short of a chunk), whose last
   block is padded with zeros as :func:`adamkit._quant.quantize` pads it."""
@@ -173,7 +187,8 @@ def _contiguous(moments, g, olds, block: int) -> list:
       if _quant.is_qarray(o):
         b = o.fmt.block_size
         nw = jnp.pad(nw, (0, -length % b)) if length % b else nw
-        out.append(_quant.encode_blocks(nw.reshape(-1, b), o.fmt))
+        pos = _quant.positions(nw.shape, jnp.asarray(lo).astype(jnp.uint32))
+        out.append(_encode(nw, o.fmt, count, pos))
       else:
         out.append(None)
     return out
@@ -203,6 +218,13 @@ def _stored(olds, outs) -> list:
 def _blocked(x: jax.Array, block: int) -> jax.Array:
   """A chunk of whole rows in blocks: ``(..., last // block, block)``."""
   return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+
+
+def _encode(x: jax.Array, fmt, count, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Codes and scales of a chunk ``x`` of whole blocks (its last axis), its elements at
+  flat positions ``pos`` (``x``'s shape) of the leaf."""
+  b = fmt.block_size
+  return _quant.encode_blocks(_blocked(x, b), fmt, step=count, pos=_blocked(pos, b))
 
 
 # --------------------------------------------------------------- init and state checks
@@ -320,14 +342,16 @@ def to_numpy(q, gather=np.asarray) -> np.ndarray:
   return np.asarray(_quant.dequantize(_quant.QuantizedArray(codes, scales, q.shape, q.fmt)))
 
 
-def quantized_like(value: Any, like) -> Any:
+def quantized_like(value: Any, like, step: Any) -> Any:
   """Float ``value`` (``like``'s shape) stored in ``like``'s format, its codes and scales
   placed as ``like``'s are (device, sharding, memory kind; under ``jax.distributed`` each
-  process places only its own shards)."""
+  process places only its own shards). ``step``: the step count of the state it joins,
+  which keys the 4-bit first moment's dither."""
   value = np.asarray(value, np.float32)
   if value.shape != tuple(like.shape):
     raise ValueError(f"shape {value.shape} does not match the moment's {tuple(like.shape)}")
-  q = _quant.quantize(jnp.asarray(value), like.fmt)
+  step = jnp.asarray(np.asarray(step).astype(np.int64).clip(0, np.iinfo(np.int32).max), jnp.int32)
+  q = _quant.quantize(jnp.asarray(value), like.fmt, step=step)
   return _quant.QuantizedArray(_placed(q.codes, like.codes), _placed(q.scales, like.scales),
                                q.shape, q.fmt)
 

@@ -410,7 +410,8 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     else:
       bc1 = bc2 = jnp.ones([], jnp.float32)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    h = _ops.Hyper(eps_mode, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, amsgrad=amsgrad)
+    h = _ops.Hyper(eps_mode, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, amsgrad=amsgrad,
+                   step=count)
 
     def leaf(name, g, split, *olds):  # olds: (m, v) or (m, v, v_max)
       for x, what, (fmt, role) in zip(olds, _ops.STATE_NAMES, fmts):
@@ -427,7 +428,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
         g = g.todense(like=None if _quant.is_qarray(olds[0]) else olds[0])
       dt = compute_dtype(g)
       u, *news = _ops.direction(h, g.astype(dt), *(_quant.load(x).astype(dt) for x in olds))
-      return u.astype(g.dtype), *(_quant.store(n, o) for n, o in zip(news, olds))
+      return u.astype(g.dtype), *(_quant.store(n, o, step=count) for n, o in zip(news, olds))
 
     treedef = jax.tree.structure(state.nu, is_leaf=_quant.is_qarray)
     n_moments = 3 if amsgrad else 2  # mu, nu(, nu_max); then the recorded splits

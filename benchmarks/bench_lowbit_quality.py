@@ -93,23 +93,24 @@ def accuracy(params: dict, x: jax.Array, y: jax.Array) -> float:
 @dataclasses.dataclass(frozen=True)
 class Storage:
   """How a moment lives between steps: ``init(p, role)``, ``load(s)`` (float32),
-  ``store(x, s)`` (like ``s``), ``nbytes(s)``; ``role`` is "mu" (m) or "nu" (v)."""
+  ``store(x, s, t)`` (like ``s``, at step count ``t``: adamkit's 4-bit dither),
+  ``nbytes(s)``; ``role`` is "mu" (m) or "nu" (v)."""
 
   name: str
   init: Callable[[jax.Array, str], Any]
   load: Callable[[Any], jax.Array]
-  store: Callable[[jax.Array, Any], Any]
+  store: Callable[[jax.Array, Any, jax.Array], Any]
   nbytes: Callable[[Any], int]
 
 
 FLOAT32 = Storage("float32", lambda p, role: jnp.zeros_like(p, jnp.float32), lambda s: s,
-                  lambda x, s: x, lambda s: s.size * 4)
+                  lambda x, s, t: x, lambda s: s.size * 4)
 
 
 def adamkit_storage(kind: str) -> Storage:
   fmt = _quant.Quantized(kind)  # min_size=4096: smaller leaves stay float32
   return Storage(f"adamkit {kind}", lambda p, role: _quant.init_moment(p, fmt, role),
-                 _quant.load, _quant.store,
+                 _quant.load, lambda x, s, t: _quant.store(x, s, step=t),
                  lambda s: s.nbytes if _quant.is_qarray(s) else s.size * 4)
 
 
@@ -145,7 +146,7 @@ def torchao_4bit_storage() -> Storage:
       return jnp.zeros_like(p, jnp.float32)
     return store(jnp.zeros_like(p, jnp.float32), Emulated(None, None, p.shape, role))
 
-  def store(x, s):
+  def store(x, s, t=None):  # deterministic rounding: the step count is not used
     if not isinstance(s, Emulated):
       return x
     xb = x.reshape(-1, block)
@@ -173,7 +174,7 @@ def torchao_fp8_storage() -> Storage:
       return jnp.zeros_like(p, jnp.float32)
     return store(jnp.zeros_like(p, jnp.float32), Emulated(None, None, p.shape, role))
 
-  def store(x, s):
+  def store(x, s, t=None):  # deterministic rounding: the step count is not used
     if not isinstance(s, Emulated):
       return x
     xb = x.reshape(-1, block)
@@ -219,7 +220,7 @@ def adamw_step(storage: Storage, params, grads, mu, nu, count, lr):
     m = B1 * storage.load(m_s) + (1.0 - B1) * g
     v = B2 * storage.load(v_s) + (1.0 - B2) * g * g
     u = (m / bc1) / (jnp.sqrt(v / bc2) + EPS) + WEIGHT_DECAY * p
-    return p - lr * u, storage.store(m, m_s), storage.store(v, v_s)
+    return p - lr * u, storage.store(m, m_s, count + 1), storage.store(v, v_s, count + 1)
 
   out = jax.tree.map(leaf, params, grads, mu, nu, is_leaf=is_state_leaf)
   pick = lambda i: jax.tree.map(lambda _, o: o[i], params, out)
