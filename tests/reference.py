@@ -92,3 +92,39 @@ class NumpyAdam:
       out[k] = w - lr_k * u
     self.t = t
     return out
+
+
+# ------------------------------------------------- the 4-bit first moment's dither
+#
+# From its definition (docs/low_memory.md, ak.Quantized's docstring): the random number of
+# element i (its flat position in the leaf; row * D + column in a table) at step count t is
+# u_i = floor(h((i * 0x9E3779B9) ^ h(t ^ 0x5BD1E995)) / 2^8) * 2^-24, h = Wellons'
+# "lowbias32", arithmetic modulo 2^32; the first moment's level k = floor(7 r) rounds up
+# to k + 1 when u_i < 7 r - floor(7 r), r = m / scale.
+
+_M32 = 0xFFFFFFFF
+
+
+def lowbias32(h):
+  """Wellons' lowbias32 integer hash of uint64 arrays holding 32-bit values."""
+  h = np.asarray(h, np.uint64) & _M32
+  h ^= h >> 16
+  h = (h * 0x7FEB352D) & _M32
+  h ^= h >> 15
+  h = (h * 0x846CA68B) & _M32
+  return h ^ (h >> 16)
+
+
+def dither_4bit(pos, step):
+  """The 4-bit first moment's random number in [0, 1) of positions ``pos`` at step ``step``."""
+  key = lowbias32(np.uint64(int(step) & _M32) ^ np.uint64(0x5BD1E995))
+  i = np.asarray(pos, np.uint64) & _M32
+  h = lowbias32(((i * 0x9E3779B9) & _M32) ^ key)
+  return (h >> 8).astype(np.float64) * 2.0 ** -24
+
+
+def round_4bit_mu(r, pos, step):
+  """The level k in -7 .. 7 (code k + 7) of ``r = m / scale`` at positions ``pos``."""
+  y = np.asarray(r, np.float64) * 7
+  lo = np.floor(y)
+  return np.clip(lo + (dither_4bit(pos, step) < y - lo), -7, 7)

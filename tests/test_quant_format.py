@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from reference import round_4bit_mu
 
 from adamkit import _quant as Q
 
@@ -130,22 +131,72 @@ def test_4bit_nu_encode_is_nearest_in_log2():
   assert np.all(np.asarray(Q._encode(jnp.float32([0.0, 1e-30, 1.0]), fmt("4bit", "nu"))) == [0, 0, 15])
 
 
-def test_4bit_mu_rounding_is_unbiased_and_deterministic():
+def _codes_4bit_mu(x, step, pos=None, block=128):
+  """adamkit's 4-bit first-moment codes (unpacked, -7 .. 7) of blocks ``x`` at ``step``."""
+  f = fmt("4bit", "mu", block)
+  codes, _ = Q.encode_blocks(jnp.asarray(x), f, step=step, pos=pos)
+  codes = np.asarray(codes).astype(int)
+  return np.stack([codes & 15, codes >> 4], -1).reshape(x.shape) - 7
+
+
+def test_4bit_mu_codes_are_the_dither_reference():
+  """Every code is the reference's (tests/reference.py, from the documented definition):
+  the dither of each element's flat position and the step count, eager and under jit; a
+  pure function of integers, so positions given explicitly give the same codes."""
   rng = np.random.default_rng(2)
-  r = rng.uniform(-1, 1, (64, 128)).astype(np.float32)
-  f = fmt("4bit", "mu")
-  codes = np.asarray(Q._encode(jnp.asarray(r), f))
-  assert np.array_equal(codes, np.asarray(jax.jit(Q._encode, static_argnums=1)(jnp.asarray(r), f)))
-  back = Q.code_book("4bit", "mu")[codes]
-  lo, hi = np.floor(r * 7) / 7, np.ceil(r * 7) / 7  # one of the two neighbouring levels
-  assert np.all((np.abs(back - lo) < 1e-6) | (np.abs(back - hi) < 1e-6))
-  # Many distinct values all a third of the way between two levels: on average, exact.
-  x = (np.float32(2 / 7) + np.float32(1 / 21)) * (1 + np.arange(1 << 16, dtype=np.float32) * 1e-7)
-  back = Q.code_book("4bit", "mu")[np.asarray(Q._encode(jnp.asarray(x.reshape(-1, 128)), f))].reshape(-1)
-  assert abs(back.mean() - x.mean()) < 3 * (1 / 7) * 0.5 / np.sqrt(x.size)
-  assert 0.28 < np.mean(back > x) < 0.38  # rounded up a third of the time
-  grid = np.arange(-7, 8, dtype=np.float32) / np.float32(7)  # levels themselves stay put
-  np.testing.assert_array_equal(np.asarray(Q._encode(jnp.asarray(grid[None]), f))[0], np.arange(15))
+  x = rng.uniform(-1, 1, (64, 4, 128)).astype(np.float32)
+  x[:, :, 0] = 1.0  # every block's scale is 1: r is x itself
+  pos = np.arange(x.size).reshape(x.shape)
+  for step in (1, 2, 7, 2**31 - 1):
+    want = round_4bit_mu(x, pos, step)
+    got = _codes_4bit_mu(x, step)
+    np.testing.assert_array_equal(got, want)
+    jitted = jax.jit(lambda x, t: Q.encode_blocks(x, fmt("4bit", "mu"), step=t))(
+        jnp.asarray(x), jnp.int32(step))[0]
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(
+        Q.encode_blocks(jnp.asarray(x), fmt("4bit", "mu"), step=step)[0]))
+  # the positions are an argument: other positions, other numbers; the same ones, the same
+  np.testing.assert_array_equal(_codes_4bit_mu(x, 3, jnp.asarray(pos, jnp.uint32)),
+                                _codes_4bit_mu(x, 3))
+  shifted = _codes_4bit_mu(x, 3, jnp.asarray(pos + 5, jnp.uint32))
+  np.testing.assert_array_equal(shifted, round_4bit_mu(x, pos + 5, 3))
+  # levels themselves stay put whatever the dither
+  grid = np.tile(np.arange(-7, 8, dtype=np.float32) / np.float32(7), (3, 1))
+  for step in (1, 9):
+    np.testing.assert_array_equal(_codes_4bit_mu(np.pad(grid, ((0, 0), (0, 1))), step, block=16)[:, :15],
+                                  np.tile(np.arange(-7, 8), (3, 1)))
+
+
+def test_4bit_mu_rounding_is_unbiased():
+  """One value a third of the way between two levels, rounded at 2^16 positions (one
+  step) and at one position over 4096 steps: the mean is the value within 4 standard
+  errors, and a third of the roundings go up."""
+  x = np.float32(2 / 7) + np.float32(1 / 21)
+  block = np.full((1 << 9, 128), x, np.float32)
+  block[:, 0] = 1.0  # the scale
+  levels = _codes_4bit_mu(block, 3)[:, 1:] / 7
+  se = (1 / 7) * np.sqrt(1 / 3 * 2 / 3) / np.sqrt(levels.size)
+  assert abs(levels.mean() - x) < 4 * se, (levels.mean() - x, se)
+  assert 0.3 < np.mean(levels > x) < 0.37
+  # one element over the steps (vmapped over the step count)
+  f = fmt("4bit", "mu", 2)
+  pair = jnp.asarray([[1.0, x]], jnp.float32)
+  codes = jax.vmap(lambda t: Q.encode_blocks(pair, f, step=t)[0])(jnp.arange(1, 4097))
+  over_steps = ((np.asarray(codes).reshape(-1) >> 4).astype(int) - 7) / 7
+  se = (1 / 7) * np.sqrt(1 / 3 * 2 / 3) / np.sqrt(over_steps.size)
+  assert abs(over_steps.mean() - x) < 4 * se, (over_steps.mean() - x, se)
+
+
+def test_4bit_mu_rounding_changes_with_the_step():
+  """Fresh numbers every step: the same values at the next step round otherwise for
+  about 2 p (1 - p) of the elements (p = 1/3 here: 4/9), never by more than one level."""
+  x = np.full((64, 128), np.float32(2 / 7) + np.float32(1 / 21), np.float32)
+  x[:, 0] = 1.0
+  a, b = _codes_4bit_mu(x, 1)[:, 1:], _codes_4bit_mu(x, 2)[:, 1:]
+  assert 0.38 < np.mean(a != b) < 0.51
+  assert np.abs(a - b).max() == 1
+  with pytest.raises(ValueError, match="step"):
+    Q.quantize(jnp.asarray(x), fmt("4bit", "mu"))
 
 
 def test_fp8_encode_is_e4m3_round_to_nearest_even():
@@ -170,7 +221,7 @@ def test_round_trip_error(kind, role):
   rng = np.random.default_rng(4)
   f = fmt(kind, role)
   x = blocky(rng, (8, 1024), role == "mu")
-  q = Q.quantize(jnp.asarray(x), f)
+  q = Q.quantize(jnp.asarray(x), f, step=1)
   back = np.asarray(Q.dequantize(q))
   assert back.shape == x.shape and back.dtype == np.float32
   s = np.abs(x).reshape(8, -1, f.block_size).max(-1).repeat(f.block_size, -1).reshape(x.shape)
@@ -203,7 +254,7 @@ def test_block_maximum_reads_back_exactly(kind, role):
   x = np.zeros((4, 256), np.float32)
   x[:, 3] = np.float32([0.5, 2.0, 1e-3, 7.0])
   x[:, 100] = np.float32([-0.1, 0.3, 1e-5, 1.0]) if role == "mu" else np.float32([0.1, 0.3, 1e-5, 1.0])
-  back = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(x), fmt(kind, role, 256))))
+  back = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(x), fmt(kind, role, 256), step=1)))
   np.testing.assert_allclose(back[:, 3], x[:, 3], rtol=2e-7)
 
 
@@ -215,7 +266,7 @@ def test_block_maximum_reads_back_exactly(kind, role):
 def test_padding_of_a_leaf_that_is_not_whole_blocks(kind, role, shape):
   f = fmt(kind, role, 64)
   x = blocky(np.random.default_rng(5), shape, role == "mu")
-  q = Q.quantize(jnp.asarray(x), f)
+  q = Q.quantize(jnp.asarray(x), f, step=1)
   n = int(np.prod(shape))
   blocks = -(-n // 64)
   assert q.scales.shape == (blocks,)
@@ -233,7 +284,7 @@ def test_padding_of_a_leaf_that_is_not_whole_blocks(kind, role, shape):
 @pytest.mark.parametrize("kind", Q.KINDS)
 def test_whole_blocks_keep_the_leading_axes(kind):
   f = fmt(kind, "mu", 128)
-  q = Q.quantize(jnp.ones((6, 4, 512)), f)
+  q = Q.quantize(jnp.ones((6, 4, 512)), f, step=1)
   assert q.scales.shape == (6, 4, 4)
   assert q.codes.shape == (6, 4, 4, 64 if kind == "4bit" else 128)
   np.testing.assert_array_equal(np.asarray(Q.dequantize(q)), np.ones((6, 4, 512), np.float32))
@@ -242,7 +293,7 @@ def test_whole_blocks_keep_the_leading_axes(kind):
 def test_4bit_packing_low_nibble_first():
   f = fmt("4bit", "mu", 4)
   x = jnp.float32([[-1.0, 0.0, 1.0, 3 / 7]])
-  q = Q.quantize(x, f)
+  q = Q.quantize(x, f, step=1)
   assert q.codes.tolist() == [[[0 | (7 << 4), 14 | (10 << 4)]]]
 
 
@@ -254,7 +305,7 @@ def test_zeros_read_back_zero(kind, role):
   if role == "mu" or kind == "8bit":
     assert np.all(back == 0)
   # quantizing zeros gives the same stored state
-  q = Q.quantize(jnp.zeros((3, 256)), fmt(kind, role))
+  q = Q.quantize(jnp.zeros((3, 256)), fmt(kind, role), step=1)
   np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(z.codes))
   np.testing.assert_array_equal(np.asarray(q.scales), np.asarray(z.scales))
 
@@ -263,7 +314,7 @@ def test_zeros_read_back_zero(kind, role):
 def test_nonfinite_values_are_stored_as_zero(kind, role):
   x = np.abs(blocky(np.random.default_rng(6), (2, 256), role == "mu")) * (1 if role == "nu" else -1)
   x[0, 5], x[0, 6], x[1, 7] = np.nan, np.inf, -np.inf
-  q = Q.quantize(jnp.asarray(x), fmt(kind, role, 256))
+  q = Q.quantize(jnp.asarray(x), fmt(kind, role, 256), step=1)
   assert np.all(np.isfinite(np.asarray(q.scales)))
   back = np.asarray(Q.dequantize(q))
   assert np.all(np.isfinite(back))
@@ -283,8 +334,8 @@ def test_nonfinite_values_are_stored_as_zero(kind, role):
 def test_jit_equals_eager(kind, role):
   f = fmt(kind, role)
   x = jnp.asarray(blocky(np.random.default_rng(7), (4, 512), role == "mu"))
-  eager = Q.quantize(x, f)
-  jitted = jax.jit(Q.quantize, static_argnums=1)(x, f)
+  eager = Q.quantize(x, f, step=1)
+  jitted = jax.jit(Q.quantize, static_argnums=1)(x, f, step=jnp.int32(1))
   np.testing.assert_array_equal(np.asarray(eager.codes), np.asarray(jitted.codes))
   np.testing.assert_array_equal(np.asarray(eager.scales), np.asarray(jitted.scales))
 

@@ -11,6 +11,7 @@ import pytest
 from conftest import GOLDEN
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from reference import round_4bit_mu
 
 import adamkit as ak
 from adamkit import _quant, _quant_ops
@@ -98,8 +99,10 @@ def _np_e4m3_round(y):
   return np.sign(y) * np.round(a / quantum) * quantum
 
 
-def _np_quantize(x, kind, role, block):
-  """float64 blocks of ``x`` (flattened, zero-padded) -> the values they read back as."""
+def _np_quantize(x, kind, role, block, step=None):
+  """float64 blocks of ``x`` (flattened, zero-padded) -> the values they read back as
+  (``step``: the step count of the 4-bit first moment's dither, tests/reference.py; the
+  positions are the flat indices)."""
   flat = np.asarray(x, np.float64).reshape(-1)
   flat = np.pad(flat, (0, -flat.size % block)).reshape(-1, block)
   flat = np.where(np.isfinite(flat), flat, 0.0)
@@ -116,11 +119,8 @@ def _np_quantize(x, kind, role, block):
     q = _np_e4m3_round(y) / 448.0
   elif kind == "4bit" and role == "nu":
     q = 2.0 ** (-(15 - np.clip(np.round(15 + 2 * np.log2(np.maximum(r, 2.0 ** -16))), 0, 15)) / 2)
-  elif kind == "4bit":  # levels k/7, rounded down or up at random: either neighbour
-    lo, hi = np.floor(r * 7) / 7, np.ceil(r * 7) / 7
-    shape = np.shape(x)
-    cut = lambda a: (a * scale).reshape(-1)[:np.size(x)].reshape(shape)
-    return (cut(lo), cut(hi)), scale.reshape(-1)
+  elif kind == "4bit":  # levels k/7, rounded down or up by the dither
+    q = round_4bit_mu(r, np.arange(r.size).reshape(r.shape), step) / 7
   else:
     book = _np_dynamic_map(role == "mu", 8 if kind == "8bit" else 4, 7 if kind == "8bit" else 3)
     mids = (book[:-1] + book[1:]) / 2
@@ -162,11 +162,7 @@ def _assert_stored_as(q, want, scales, *, tol_frac=2e-3):
   float32 step rounds m and v differently from float64), with the reference's scales."""
   got = _np_decode(q)
   np.testing.assert_allclose(np.asarray(q.scales).reshape(-1), scales, rtol=2e-5)
-  if isinstance(want, tuple):  # either of two neighbours (dithered rounding)
-    off = ~(np.isclose(got, want[0], rtol=1e-5, atol=1e-12)
-            | np.isclose(got, want[1], rtol=1e-5, atol=1e-12))
-  else:
-    off = ~np.isclose(got, want, rtol=1e-5, atol=1e-12)
+  off = ~np.isclose(got, want, rtol=1e-5, atol=1e-12)
   assert off.mean() <= tol_frac, (off.sum(), off.size)
 
 
@@ -198,7 +194,7 @@ def test_quantized_step_matches_float64_reference(kind, shape):
     np.testing.assert_allclose(new_p, p64 - lr * (step + wd * p64), rtol=0, atol=1e-6)
     inner = moments_of(state)
     for stored, x, role in ((inner.mu, m, "mu"), (inner.nu, v, "nu"), (inner.nu_max, vmax, "nu")):
-      _assert_stored_as(stored["w"], *_np_quantize(x, kind, role, 64))
+      _assert_stored_as(stored["w"], *_np_quantize(x, kind, role, 64, step=t))
     params = {"w": jnp.asarray(new_p, jnp.float32)}
 
 
@@ -267,7 +263,7 @@ def test_layouts_padding_and_min_size():
   q = ak.scale_by_adam(mu_dtype=ak.Quantized("8bit", min_size=0)).init(params).mu["small"]
   assert isinstance(q, ak.QuantizedArray) and q.codes.shape == (1, 256)
   x = jnp.arange(4773.0).reshape(37, 129) - 2000.0
-  q = _quant.quantize(x, odd.fmt)
+  q = _quant.quantize(x, odd.fmt, step=1)
   assert _quant.dequantize(q).shape == (37, 129)
   _assert_stored_as(q, *_np_quantize(np.asarray(x), "8bit", "mu", 256))
   assert int(np.asarray(q.codes)[-1, 4773 - 18 * 256:].min()) == 127  # the padding: code of 0
@@ -277,7 +273,8 @@ def test_layouts_padding_and_min_size():
 @pytest.mark.parametrize("shape", [(24, 128), (3000,), (7, 200), (64,)])
 def test_chunked_encoding_equals_one_pass(monkeypatch, chunk, shape):
   """Strided chunks (rows), contiguous chunks with a tail: the stored state is the
-  one-pass quantize(m_t), whatever the chunking."""
+  one-pass quantize(m_t) at step t, whatever the chunking (the 4-bit dither's positions
+  are the leaf's)."""
   monkeypatch.setattr(_quant_ops, "CHUNK", chunk)
   q = ak.Quantized("4bit", block_size=32, min_size=0)
   tx = ak.scale_by_adam(mu_dtype=q, nu_dtype=ak.Quantized("8bit", block_size=64, min_size=0))
@@ -289,16 +286,10 @@ def test_chunked_encoding_equals_one_pass(monkeypatch, chunk, shape):
   b1, b2 = jnp.float32(0.9), jnp.float32(0.999)
   m = b1 * _quant.dequantize(s1.mu["w"]) + (1 - b1) * (g * 2)
   v = b2 * _quant.dequantize(s1.nu["w"]) + (1 - b2) * (g * 2) ** 2
-  for got, want in ((s2.mu["w"], _quant.quantize(m, s1.mu["w"].fmt)),
-                    (s2.nu["w"], _quant.quantize(v, s1.nu["w"].fmt))):
+  for got, want in ((s2.mu["w"], _quant.quantize(m, s1.mu["w"].fmt, step=2)),
+                    (s2.nu["w"], _quant.quantize(v, s1.nu["w"].fmt, step=2))):
     assert got.codes.shape == want.codes.shape
-    if got.fmt.kind == "4bit" and got.fmt.role == "mu":
-      # the dither hashes the bits of m / scale, which fused float32 arithmetic may round
-      # otherwise: a code then takes the other level next to the value, never another
-      nib = lambda c: np.stack([c & 15, c >> 4], -1).astype(int)
-      assert np.abs(nib(np.asarray(got.codes)) - nib(np.asarray(want.codes))).max() <= 1
-    else:
-      assert np.mean(np.asarray(got.codes) != np.asarray(want.codes)) <= 2e-3
+    assert np.mean(np.asarray(got.codes) != np.asarray(want.codes)) <= 2e-3
     np.testing.assert_allclose(got.scales, want.scales, rtol=1e-6)
 
 
@@ -407,6 +398,22 @@ def test_state_dict_names_float32_moments_and_loads_back():
   assert isinstance(moments_of(tx.init(params)).mu["fc"]["weight"], ak.QuantizedArray)
 
 
+def test_loading_a_4bit_first_moment_dithers_at_the_state_dicts_step():
+  """A float32 moment loaded into a 4-bit state is rounded with the dither of the loaded
+  step count (the count it is stored at), the same numbers as the reference's."""
+  rng = np.random.default_rng(8)
+  params = {"w": jnp.zeros((4, 256))}
+  tx = ak.adam(1e-3, mu_dtype=ak.Quantized("4bit", block_size=64, min_size=0))
+  m = rng.normal(size=(4, 256)).astype(np.float32)
+  sd = dict(ak.state_dict(tx.init(params)), **{"w.moment1": m, "step": np.int32(5)})
+  loaded = moments_of(ak.load_state_dict(sd, tx.init(params))).mu["w"]
+  want, scales = _np_quantize(m, "4bit", "mu", 64, step=5)
+  np.testing.assert_allclose(_np_decode(loaded), want, rtol=1e-6, atol=0)
+  np.testing.assert_allclose(np.asarray(loaded.scales).reshape(-1), scales, rtol=1e-6)
+  other, _ = _np_quantize(m, "4bit", "mu", 64, step=6)
+  assert not np.allclose(_np_decode(loaded), other)  # the step matters
+
+
 def test_framework_states_fill_a_quantized_state():
   params = {"linear_0.w_0": jnp.zeros((4, 256))}
   rng = np.random.default_rng(4)
@@ -430,13 +437,15 @@ def test_framework_states_fill_a_quantized_state():
 
 
 @pytest.mark.parametrize("spec", [P("rows", None), P(None, "cols"), P("rows", "cols")])
-def test_sharded_param_keeps_codes_and_scales_sharded(monkeypatch, spec):
+@pytest.mark.parametrize("mu_kind", ["8bit", "4bit"])
+def test_sharded_param_keeps_codes_and_scales_sharded(monkeypatch, spec, mu_kind):
   """Codes and scales are split as the param; the step (several strided chunks) runs
-  shard by shard: no collective in the compiled step, the same numbers as one device."""
+  shard by shard: no collective in the compiled step, the same numbers as one device
+  (the 4-bit first moment's dither included: its positions are global)."""
   monkeypatch.setattr(_quant_ops, "CHUNK", 2048)  # 8 rows of 256 a chunk: 16 chunks
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("rows", "cols"))
   sharding = NamedSharding(mesh, spec)
-  q = ak.Quantized("8bit", block_size=64, min_size=0)
+  q = ak.Quantized(mu_kind, block_size=64, min_size=0)
   tx = ak.adamw(1e-2, mu_dtype=q, nu_dtype=ak.Quantized("4bit", block_size=64, min_size=0))
   rng = np.random.default_rng(5)
   params = {"w": jnp.asarray(rng.normal(size=(128, 256)), jnp.float32)}
