@@ -16,6 +16,7 @@ import optax
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from reference import round_4bit_mu
 from test_offload import needs_host, transfers
 
 import adamkit as ak
@@ -76,8 +77,11 @@ def code_values(kind, role):
   return None
 
 
-def ref_quantize(x, kind, role, block):
-  """x (rows, D) float64 -> its stored value (float64), blocks of ``block`` within rows."""
+def ref_quantize(x, kind, role, block, ids=None, step=None):
+  """x (rows, D) float64 -> its stored value (float64), blocks of ``block`` within rows.
+  The 4-bit first moment's dither (tests/reference.py) takes the step count ``step`` and
+  each element's position in the table, ``row * D + column`` for the table rows ``ids``
+  that ``x`` holds."""
   rows, d = x.shape
   xb = x.reshape(rows, d // block, block)
   if role == "nu":
@@ -94,8 +98,9 @@ def ref_quantize(x, kind, role, block):
   elif kind == "4bit" and role == "nu":  # nearest in log2
     k = np.clip(np.round(15 + 2 * np.log2(np.maximum(r, 2.0 ** -16))), 0, 15)
     q = 2.0 ** (-(15 - k) / 2)
-  elif kind == "4bit":  # dithered between two levels: assert_stored_close checks either
-    q = np.round(r * 7) / 7
+  elif kind == "4bit":  # rounded down or up by the dither of (position, step)
+    pos = (np.asarray(ids)[:, None] * d + np.arange(d)).reshape(r.shape)
+    q = round_4bit_mu(r, pos, step) / 7
   else:  # nearest value, ties to the larger code
     book = code_values(kind, role)
     dist = np.abs(r[..., None] - book)
@@ -150,8 +155,8 @@ def ref_lazy_step(w, m, v, ids, vals, t, *, kinds, block, lr, b1=F32_B1, b2=F32_
   if decoupled:
     u = u + wd * w[rows]
   w[rows] -= lr * u
-  m[rows] = ref_quantize(m_new, kinds[0], "mu", block)[0]
-  v[rows] = ref_quantize(v_new, kinds[1], "nu", block)[0]
+  m[rows] = ref_quantize(m_new, kinds[0], "mu", block, rows, t)[0]
+  v[rows] = ref_quantize(v_new, kinds[1], "nu", block, rows, t)[0]
   return w, m, v, m_new, v_new, rows
 
 
@@ -160,14 +165,8 @@ def assert_stored_close(got, want, exact, kind, role, block, what):
   put the exact value on the other side of a rounding boundary: at most 1 element in 100
   differs, and such an element holds the value of a code next to the exact one."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  scale = ref_quantize(exact, kind, role, block)[1].repeat(block, axis=1)
-  if kind == "4bit" and role == "mu":  # dithered: either level next to exact / scale
-    r = exact / scale
-    for level in (np.floor(r * 7), np.ceil(r * 7)):
-      got_is = np.abs(got - level / 7 * scale) <= 1e-5 * scale + 1e-30
-      got = np.where(got_is, np.nan, got)
-    assert np.all(np.isnan(got)), what
-    return
+  rows = np.arange(exact.shape[0])  # the scales do not depend on the dither
+  scale = ref_quantize(exact, kind, role, block, rows, 0)[1].repeat(block, axis=1)
   if role == "nu" and kind != "8bit":
     scale = scale * scale
   close = np.abs(got - want) <= 1e-5 * scale + 1e-30
@@ -293,7 +292,7 @@ def test_lazy_adamw_against_float64_reference(kinds):
   _run_against_reference(kinds, None, adamw=True, eps_mode="corrected")
 
 
-@pytest.mark.parametrize("kinds", [("8bit", "8bit"), ("fp8", "fp8")])
+@pytest.mark.parametrize("kinds", [("8bit", "8bit"), ("4bit", "4bit"), ("fp8", "fp8")])
 def test_non_lazy_against_float64_reference(kinds):
   """lazy=False: every row moves (absent rows with a zero gradient) and is requantized."""
   _run_against_reference(kinds, None, lazy=False)
