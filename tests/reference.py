@@ -124,7 +124,9 @@ def dither_4bit(pos, step):
 
 
 def round_4bit_mu(r, pos, step):
-  """The level k in -7 .. 7 (code k + 7) of ``r = m / scale`` at positions ``pos``."""
-  y = np.asarray(r, np.float64) * 7
+  """The level k in -7 .. 7 (code k + 7) of ``r = m / scale`` at positions ``pos``; ``7 r``
+  is computed in ``r``'s dtype (a float32 ``r`` rounds it as the format does)."""
+  r = np.asarray(r)
+  y = r * r.dtype.type(7)
   lo = np.floor(y)
-  return np.clip(lo + (dither_4bit(pos, step) < y - lo), -7, 7)
+  return np.clip(lo + (dither_4bit(pos, step) < (y - lo).astype(np.float64)), -7, 7)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import GOLDEN
+from reference import round_4bit_mu
 
 import adamkit as ak
 from adamkit import _adam, _quant
@@ -254,12 +255,44 @@ def test_other_formats_run_on_xla(kernel, kind, multi_tensor):
   codes = [x for x in jax.tree.leaves(ends["q"][1]) if x.dtype == jnp.uint8]
   assert codes and all(np.asarray(c).any() for c in codes)
   # Adam moves an element at most lr (1 - b1) / sqrt(1 - b2) (about 3.2 lr) a step; the
-  # 4-bit first moment's dithered levels let a rare element use that room, so the bound is
-  # on the worst element, and the typical one stays close to float32.
+  # 4-bit first moment's stochastic levels let a rare element use that room, so the bound
+  # is on the worst element, and the typical one stays close to float32.
   for k in params:
     diff = np.abs(np.asarray(ends["q"][0][k]) - np.asarray(ends["f32"][0][k]))
     assert diff.max() <= 2 * 4 * 3.2 * lr, (k, diff.max())
     assert diff.mean() <= 0.25 * lr * 4, (k, diff.mean())
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_4bit_first_moment_codes_are_the_dither_reference(multi_tensor):
+  """With b1 = 0 the stored first moment is the gradient itself: its 4-bit codes are the
+  reference's (tests/reference.py, float32 r = g * (1 / scale) as the format computes
+  it) bit for bit at the step count t, each leaf's elements numbered from 0 in its own
+  flat order (a multi-tensor buffer too), at every step."""
+  params = shapes_params()
+  q = ak.Quantized("4bit", block_size=64, min_size=0)
+  opt = ak.fused_adamw(0.01, b1=0.0, mu_dtype=q, nu_dtype=q, multi_tensor=multi_tensor)
+  step = jax.jit(opt.step)
+  p, state = params, opt.init(params)
+  for t, g in enumerate(grads_for(params, 3), start=1):
+    p, state = step(p, state, grads=g)
+    for name, x in g.items():
+      if multi_tensor:
+        (at,) = [at for leaf, _, _, at in state.mu.slots if leaf == name]
+        buf = state.mu["4bit"]
+        n = -(-x.size // 64)
+        codes, scales = buf.codes[at // 64:at // 64 + n], buf.scales[at // 64:at // 64 + n]
+      else:
+        codes, scales = state.mu[name].codes, state.mu[name].scales
+      codes = np.asarray(codes).reshape(-1, 32).astype(int)
+      levels = np.stack([codes & 15, codes >> 4], -1).reshape(-1)[:x.size] - 7
+      flat = np.asarray(x, np.float32).reshape(-1)
+      blocks = np.pad(flat, (0, -flat.size % 64)).reshape(-1, 64)
+      scale = np.maximum(np.abs(blocks).max(1), F32(1e-12))
+      np.testing.assert_array_equal(np.asarray(scales).reshape(-1), scale)
+      r = (blocks * (F32(1) / scale)[:, None]).reshape(-1)[:x.size]
+      want = round_4bit_mu(r, np.arange(x.size), t)
+      np.testing.assert_array_equal(levels, want, err_msg=f"{name} step {t}")
 
 
 def test_torchao_adamw8bit_replay(kernel):
