@@ -46,7 +46,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
 
   here = pathlib.Path(__file__).resolve().parent
   sys.path[:0] = [str(here.parent), str(here)]  # this checkout's adamkit, and registry.py
-  from registry import NOT_PARTITION_INVARIANT, REGISTRY
+  from registry import REGISTRY
 
   import adamkit as ak
 
@@ -135,8 +135,6 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
   tol_bf16 = dict(rtol=1e-2, atol=2e-4)
   cases = {}
   for name, factory in REGISTRY.items():
-    if name in NOT_PARTITION_INVARIANT:
-      continue
     cases[f"registry:{name}"] = (lambda f=factory: f(LR), "dense", jnp.float32)
   cases.update({
       "sparse_adam_lazy": (lambda: ak.sparse_adam(LR, weight_decay=0.01), "sparse", jnp.float32),

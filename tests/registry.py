@@ -121,13 +121,6 @@ NAMES = sorted(REGISTRY)
 
 # The quantized entries: their moments are ak.QuantizedArray (codes and scales), shaped by
 # blocks rather than like the params (the suite's (4, 2, 3, 3) leaf is padded to blocks).
-# The 4-bit first moment is dithered by a hash of the float32 bits of m / scale, so a
-# partitioned run (another reduction order, another rounding of m) can pick the other
-# neighbouring level: its trajectory is not the one-device run's to rounding (a known
-# limitation of the 4-bit format, docs/low_memory.md), and the two-process suite skips it.
-NOT_PARTITION_INVARIANT = ("adam_4bit", "adamw_4bit_amsgrad", "master_weights_adamw_4bit",
-                           "sparse_adam_4bit_full")
-
 QUANTIZED = tuple(n for n in NAMES if any(k in n for k in ("8bit", "4bit", "fp8")))
 
 # Documented limits of the fused steps' optax form (docs/optimizers/fused.md):

@@ -60,19 +60,8 @@ def test_jit_equals_eager_with_none_leaves(name):
   eager_p, eager_s = run(REGISTRY[name](0.01), params, jit=False)
   jit_p, jit_s = run(REGISTRY[name](0.01), params, jit=True)
   assert eager_p["head"][1] is None and jit_p["head"][1] is None
-  if "4bit" in name:
-    # The 4-bit first moment's dither hashes the float32 bits of m / scale, which jit's
-    # fused arithmetic may round one unit otherwise than eager: a code then takes the other
-    # level next to m (never another). Params stay within Adam's per-step bound of each
-    # other (lr (1 - b1) / sqrt(1 - b2), about 3.2 lr) and agree on average.
-    chex.assert_trees_all_equal_structs(eager_p, jit_p)
-    for x, y in zip(jax.tree.leaves(eager_p), jax.tree.leaves(jit_p)):
-      diff = np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))
-      assert diff.max() <= 3 * 3.2 * 0.01 and diff.mean() <= 0.01, (diff.max(), diff.mean())
-    chex.assert_trees_all_equal_shapes_and_dtypes(eager_s, jit_s)
-  else:
-    assert_trees_close(eager_p, jit_p)
-    assert_trees_close(eager_s, jit_s)
+  assert_trees_close(eager_p, jit_p)
+  assert_trees_close(eager_s, jit_s)
   # and the params did move
   assert not np.allclose(np.asarray(jit_p["bias"]), np.asarray(params["bias"]))
 
