@@ -14,7 +14,7 @@
 // Rounded (AdamkitCpuStepRounded): the dense step on bfloat16 params without a float32
 // master copy, rounded to nearest, stochastically or Kahan-compensated in the same pass.
 // The arithmetic mirrors adamkit's reference formulas operation by operation, without FMA
-// contraction (except the rounded step's FMA build, which contracts as XLA:CPU does) (the scalars, including reciprocals XLA would form, are computed by the
+// contraction (the scalars, including reciprocals XLA would form, are computed by the
 // caller in JAX).
 #include <algorithm>
 #include <atomic>
@@ -66,37 +66,23 @@ inline Scalars LoadScalars(const float* s) {
   return Scalars{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]};
 }
 
-// a * b + c, rounded twice, or once (fused: a fused multiply-add, as XLA:CPU contracts
-// `a * b + c` on a CPU with FMA; only the rounded step's FMA build asks for it).
-template <bool fused>
-inline __attribute__((always_inline)) float MulAdd(float a, float b, float c) {
-  if constexpr (fused) {
-    return __builtin_fmaf(a, b, c);
-  } else {
-    return a * b + c;
-  }
-}
-
 // The step of one element: from the gradient and the old moments, the new moments and
 // the new parameter (store_u: p receives the direction u, no learning rate, no decay).
-// vmax: AMSGrad's running maximum (read and written only when amsgrad). fused: each
-// `a * b + c` of the step one FMA where XLA:CPU contracts it (the first product of a sum
-// of two, as LLVM's combiner picks it), for the rounded step's bit-identity with XLA.
-template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u,
-          bool fused = false>
+// vmax: AMSGrad's running maximum (read and written only when amsgrad).
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool store_u>
 inline __attribute__((always_inline)) void Update(const Scalars& k, float gi, float& p, float& m,
                                                   float& v, float& vmax) {
   static_assert(!(store_u && decay != kNoDecay), "the direction output takes no decay");
   static_assert(!(amsgrad && kind == kAdamax), "AdaMax has no AMSGrad form");
-  if (decay == kL2) gi = MulAdd<fused>(k.wd, p, gi);
-  float mi = MulAdd<fused>(k.b1, m, k.omb1 * gi);
+  if (decay == kL2) gi = gi + k.wd * p;
+  float mi = k.b1 * m + k.omb1 * gi;
   float vi;
   float u;
   if (kind == kAdamax) {
     vi = std::max(k.b2 * v, std::fabs(gi));
     u = mi / (k.c1 * (vi + k.eps));
   } else {
-    vi = MulAdd<fused>(k.b2, v, k.omb2 * (gi * gi));
+    vi = k.b2 * v + k.omb2 * (gi * gi);
     float den = vi;
     if (amsgrad) {
       // max(vmax, v) with NaN propagated from either side, as jnp.maximum.
@@ -104,7 +90,7 @@ inline __attribute__((always_inline)) void Update(const Scalars& k, float gi, fl
       den = (vi != vi || vi > old) ? vi : old;
       vmax = den;
     }
-    float n = nesterov ? MulAdd<fused>(k.b1, mi, k.omb1 * gi) : mi;
+    float n = nesterov ? k.b1 * mi + k.omb1 * gi : mi;
     if (kind == kAdamHat) {
       u = k.c1 * n / (std::sqrt(den) + k.eps);
     } else {
@@ -116,8 +102,8 @@ inline __attribute__((always_inline)) void Update(const Scalars& k, float gi, fl
   if (store_u) {
     p = u;
   } else {
-    if (decay == kDecoupled) u = MulAdd<fused>(k.wd, p, u);
-    p = MulAdd<fused>(-k.lr, u, p);
+    if (decay == kDecoupled) u = u + k.wd * p;
+    p = p + (-k.lr * u);
   }
 }
 
@@ -425,17 +411,16 @@ inline uint16_t StochasticBf16(float x, uint32_t bits) {
   return ToBf16(std::signbit(x) ? -r : r);
 }
 
-// The float32 direction of one element, u (AdamW: u + wd * w), the param's update being
-// -lr * u: the operations of Update above, in its order (the caller adds the update, so
-// that a fused build contracts it with the sum as XLA does).
-template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool fused>
-inline __attribute__((always_inline)) float DirectionOf(const Scalars& k, float gi, float w,
-                                                        float& m, float& v, float& vmax) {
-  if (decay == kL2) gi = MulAdd<fused>(k.wd, w, gi);
+// The float32 step of one element, -lr * u (AdamW: -lr * (u + wd * w)): the operations of
+// Update above, in its order, with the param's update returned instead of added.
+template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad>
+inline __attribute__((always_inline)) float StepOf(const Scalars& k, float gi, float w, float& m,
+                                                   float& v, float& vmax) {
+  if (decay == kL2) gi = gi + k.wd * w;
   float u = 0.0f;
-  Update<kind, nesterov, kNoDecay, amsgrad, true, fused>(k, gi, u, m, v, vmax);
-  if (decay == kDecoupled) u = MulAdd<fused>(k.wd, w, u);
-  return u;
+  Update<kind, nesterov, kNoDecay, amsgrad, true>(k, gi, u, m, v, vmax);
+  if (decay == kDecoupled) u = u + k.wd * w;
+  return -k.lr * u;
 }
 
 struct RoundedLeaf {
@@ -454,7 +439,7 @@ struct RoundedLeaf {
 // written is what optax.apply_updates writes from ak.param_rounding's update d = new - w
 // (w + RN(d), rounded), and the Kahan buffer holds what that dropped of the float32 sum.
 template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
-          typename G, bool fused>
+          typename G>
 inline __attribute__((always_inline)) void RoundedElement(
     uint16_t* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v,
     float* __restrict vmax, uint16_t* __restrict comp, uint32_t k0, uint32_t k1,
@@ -467,17 +452,17 @@ inline __attribute__((always_inline)) void RoundedElement(
   }
   const float w = FromBf16(p[i]);
   float none = 0.0f;
-  const float u = DirectionOf<kind, nesterov, decay, amsgrad, fused>(k, gi, w, m[i], v[i],
-                                                                     amsgrad ? vmax[i] : none);
+  const float step = StepOf<kind, nesterov, decay, amsgrad>(k, gi, w, m[i], v[i],
+                                                            amsgrad ? vmax[i] : none);
   float s, fresh;
   if constexpr (rounding == kKahan) {
-    s = w + MulAdd<fused>(-k.lr, u, FromBf16(comp[i]));  // w + (-lr * u + c)
+    s = w + (step + FromBf16(comp[i]));
     fresh = RoundBf16(s);
   } else if constexpr (rounding == kStochastic) {
-    s = MulAdd<fused>(-k.lr, u, w);
+    s = w + step;
     fresh = FromBf16(StochasticBf16(s, Threefry2x32(k0, k1, c0, c1)));
   } else {
-    s = MulAdd<fused>(-k.lr, u, w);
+    s = w + step;
     fresh = RoundBf16(s);
   }
   const float written = RoundBf16(w + RoundBf16(fresh - w));
@@ -489,7 +474,7 @@ inline __attribute__((always_inline)) void RoundedElement(
 // index within the other axes): row by row, so each inner loop has a fixed c0 and
 // consecutive c1 (a 1-D leaf: c0 = i, c1 = 0), and vectorizes.
 template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
-          typename G, bool fused>
+          typename G>
 inline __attribute__((always_inline)) void RoundedBody(const RoundedLeaf& l, const Scalars& k,
                                                        int64_t lo, int64_t hi) {
   uint16_t* __restrict p = l.p;
@@ -501,7 +486,7 @@ inline __attribute__((always_inline)) void RoundedBody(const RoundedLeaf& l, con
   const uint32_t k0 = l.k0, k1 = l.k1;
   if (rounding != kStochastic || l.rest == 1) {
     for (int64_t i = lo; i < hi; ++i) {
-      RoundedElement<kind, nesterov, decay, amsgrad, rounding, G, fused>(
+      RoundedElement<kind, nesterov, decay, amsgrad, rounding, G>(
           p, g, m, v, vmax, comp, k0, k1, k, i, static_cast<uint32_t>(i), 0u);
     }
     return;
@@ -509,7 +494,7 @@ inline __attribute__((always_inline)) void RoundedBody(const RoundedLeaf& l, con
   for (int64_t i = lo; i < hi;) {
     const int64_t row = i / l.rest, first = row * l.rest, end = std::min(hi, first + l.rest);
     for (int64_t j = i; j < end; ++j) {
-      RoundedElement<kind, nesterov, decay, amsgrad, rounding, G, fused>(
+      RoundedElement<kind, nesterov, decay, amsgrad, rounding, G>(
           p, g, m, v, vmax, comp, k0, k1, k, j, static_cast<uint32_t>(row),
           static_cast<uint32_t>(j - first));
     }
@@ -517,32 +502,19 @@ inline __attribute__((always_inline)) void RoundedBody(const RoundedLeaf& l, con
   }
 }
 
-// Compiled for the baseline and, on x86-64, for AVX2 with FMA (chosen at run time). The
-// FMA build contracts the step's multiply-adds where XLA:CPU does on such a CPU (XLA
-// compiles for the host and lets LLVM fuse them), so its params, moments and Kahan
-// buffers are the XLA path's bit for bit; the baseline build rounds every operation, as
-// XLA does on a CPU without FMA.
+// Compiled for the baseline and, on x86-64, for AVX2 (chosen at run time), as Chunk.
 template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
           typename G>
 void RoundedChunk(const RoundedLeaf& l, const Scalars& k, int64_t lo, int64_t hi) {
-  RoundedBody<kind, nesterov, decay, amsgrad, rounding, G, false>(l, k, lo, hi);
+  RoundedBody<kind, nesterov, decay, amsgrad, rounding, G>(l, k, lo, hi);
 }
 
 #ifdef ADAMKIT_AVX2
 template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t rounding,
           typename G>
-__attribute__((target("avx2,fma"))) void RoundedChunkAvx2(const RoundedLeaf& l,
-                                                          const Scalars& k, int64_t lo,
-                                                          int64_t hi) {
-  RoundedBody<kind, nesterov, decay, amsgrad, rounding, G, true>(l, k, lo, hi);
-}
-
-bool HasAvx2Fma() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("fma") != 0;
-  }();
-  return has;
+__attribute__((target("avx2"))) void RoundedChunkAvx2(const RoundedLeaf& l, const Scalars& k,
+                                                      int64_t lo, int64_t hi) {
+  RoundedBody<kind, nesterov, decay, amsgrad, rounding, G>(l, k, lo, hi);
 }
 #endif
 
@@ -552,7 +524,7 @@ template <int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t roun
           typename G>
 RoundedFn RoundedInstance() {
 #ifdef ADAMKIT_AVX2
-  if (HasAvx2Fma()) return RoundedChunkAvx2<kind, nesterov, decay, amsgrad, rounding, G>;
+  if (HasAvx2()) return RoundedChunkAvx2<kind, nesterov, decay, amsgrad, rounding, G>;
 #endif
   return RoundedChunk<kind, nesterov, decay, amsgrad, rounding, G>;
 }
