@@ -15,7 +15,9 @@ rounding (``"nearest"``, ``"stochastic"``, ``"kahan"``), three forms of the same
 References: ``optax.adamw`` on float32 params and gradients (the reference of the ratios)
 and ``ak.fused_adamw`` in float32 on its kernel. Every step is jitted with params and
 state donated, ``block_until_ready`` inside the timing; contenders run interleaved (see
-common.py) and the table gives medians. The machine is shared: read the ratios.
+common.py) and the table gives medians of the wall time and of the CPU time per step
+(``time.process_time``, every thread of the process). The machine is shared: read the
+ratios, and under heavy load the CPU times.
 
   python benchmarks/bench_bf16_speed.py              # 15 rounds
   python benchmarks/bench_bf16_speed.py --reps 31
@@ -86,16 +88,21 @@ def main():
     chain = ak.param_rounding(ak.adamw(LR, B1, B2, EPS, **kw), m, **seeded(m))
     runners[f"chain bf16 {m}"] = optax_runner(chain, p16, g16)
 
+  cpu = {k: [] for k in runners}
+  runners = {k: common.with_cpu_time(run, cpu[k]) for k, run in runners.items()}
   times = common.interleave(runners, args.reps, warmup=3)
   med = {k: common.median_ms(v) for k, v in times.items()}
-  ref = med[REFERENCE]
-  rows = [[name, ms, ms / ref] for name, ms in med.items()]
+  med_cpu = {k: common.median_ms(v[-args.reps:]) for k, v in cpu.items()}
+  ref, ref_cpu = med[REFERENCE], med_cpu[REFERENCE]
+  rows = [[name, ms, ms / ref, med_cpu[name], med_cpu[name] / ref_cpu]
+          for name, ms in med.items()]
   print(common.table(f"AdamW step, {SHAPE[0]}x{SHAPE[1]} = 16.8M parameters (bf16 rows: bf16 "
                      f"params and gradients, float32 moments), median of {args.reps} "
-                     "interleaved rounds", ["contender", "ms", f"x {REFERENCE}"], rows))
+                     "interleaved rounds",
+                     ["contender", "ms", f"x {REFERENCE}", "CPU ms", "CPU x optax"], rows))
   path = common.write_json("bench_bf16_speed", {
-      "shape": SHAPE, "reps": args.reps, "median_ms": med, "samples_s": times,
-      "load_average": os.getloadavg()})
+      "shape": SHAPE, "reps": args.reps, "median_ms": med, "median_cpu_ms": med_cpu,
+      "samples_s": times, "cpu_samples_s": cpu, "load_average": os.getloadavg()})
   print(f"\nwritten: {path}")
 
 
