@@ -28,7 +28,7 @@ the held-out loss at the end. Writes ``benchmarks/results/bench_bf16_lm.json``, 
 ``benchmarks/bench_bf16_lm_results.md`` and the figure ``docs/_static/bf16_lm_loss.png``
 (``docs/low_memory.md`` quotes both).
 
-    python benchmarks/bench_bf16_lm.py            # about 10 minutes on 2 loaded CPU cores
+    python benchmarks/bench_bf16_lm.py            # about 11 minutes on 2 loaded CPU cores
     python benchmarks/bench_bf16_lm.py --steps 200 --no-plot   # a quick look
 """
 
