@@ -86,18 +86,6 @@ def torch_runner(make_opt):
   return run
 
 
-def with_cpu_time(run, out: list):
-  """``run``, appending the CPU time of the whole process (every thread) per call to ``out``:
-  on a shared machine the wall time depends on whether the helper threads find a free core,
-  the CPU time much less."""
-  def timed():
-    c = time.process_time()
-    dt = run()
-    out.append(time.process_time() - c)
-    return dt
-  return timed
-
-
 def anchors() -> dict:
   """torchao's and bitsandbytes' AdamW8bit where they import (the `bench` extra)."""
   makers = {}
@@ -160,7 +148,7 @@ def main():
     notes.append("torch not installed: its rows and the anchors skipped")
 
   cpu = {k: [] for k in runners}
-  runners = {k: with_cpu_time(run, cpu[k]) for k, run in runners.items()}
+  runners = {k: common.with_cpu_time(run, cpu[k]) for k, run in runners.items()}
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     times = common.interleave(runners, args.reps, warmup=3)

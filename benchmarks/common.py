@@ -39,6 +39,18 @@ def stateful_runner(fn: Callable, carry: tuple, extra: tuple = ()) -> Callable[[
   return run
 
 
+def with_cpu_time(run: Callable[[], float], out: list) -> Callable[[], float]:
+  """``run``, appending the CPU time of the whole process (every thread) per call to ``out``:
+  on a shared machine the wall time depends on whether the helper threads find a free core,
+  the CPU time much less."""
+  def timed() -> float:
+    c = time.process_time()
+    dt = run()
+    out.append(time.process_time() - c)
+    return dt
+  return timed
+
+
 def interleave(runners: dict[str, Callable[[], float]], reps: int,
                warmup: int = 2) -> dict[str, list[float]]:
   """Runs every runner ``warmup + reps`` times, round-robin; returns the timed seconds."""
