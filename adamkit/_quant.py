@@ -167,8 +167,7 @@ def resolve(q: Quantized, role: str) -> Format:
 #
 # Each kind has an encoder (float32 r = x / scale -> uint8 codes) and a decoder (codes ->
 # float32 r), both elementwise. XLA:CPU runs a gather at about a fifth of the speed of an
-# elementwise pass, so the encoders use at most two small table lookups (8-bit) or none,
-# and the decoders none.
+# elementwise pass, so the encoders use at most two small table lookups (8-bit) or none.
 
 
 def _dynamic_map(signed: bool, total_bits: int, exponent_bits: int) -> np.ndarray:
@@ -256,55 +255,6 @@ def _encode_8bit(r: jax.Array, role: str) -> jax.Array:
   # r < 0: the negative midpoints <= r are the mirror images of the positive ones >= |r|
   code = jnp.where(jnp.signbit(r), zero - jnp.minimum(n_lt, zero), zero + n_le)
   return code.astype(jnp.uint8)
-
-
-# 8-bit decode by arithmetic, not by a lookup in the code book: XLA:CPU runs a gather
-# element by element, about three times the time of this vectorized formula. Code c stands
-# for D_i (e_j + e_(j+1)) / 2 (negated for mu's codes under 127): for k = |c - 127| (mu) or
-# c + 1 (nu) and 2^e <= k < 2^(e+1), the decade is i = e (mu) or e - 1 (nu), j = k - 2^e,
-# and e_j = RN((2^e + 9 j) / (10 2^e)) is the float32 linspace of [0.1, 1] in 2^e parts.
-# Times 2^e, e_j is RN(n / 10) with n = 9 k - 8 2^e, e_(j+1) the same of n + 9; n / 10 is
-# n TENTH_HI + n TENTH_LO, TENTH_HI being 0.1 cut to 12 bits so that the product is exact
-# (n < 2^11) and the sum's one rounding gives RN(n / 10) (n * float32(0.1) misses 50 of
-# the 263 n). Their sum times D_i / 2^(e+1) (one constant per e) is then code_book[c] bit
-# for bit (a test checks all 256 codes, eager and jitted). Each step rounds once, an exact
-# value or an IEEE sum or product, so every backend gives the same bits; a fused
-# multiply-add in place of n TENTH_HI + y rounds the same, the product being exact.
-_TENTH_HI = np.array(np.float32(0.1).view(np.uint32) & np.uint32(0xFFFFF000), np.uint32).view(np.float32)
-_TENTH_LO = np.float32(0.1 - float(_TENTH_HI))
-
-
-def _tenth(n: jax.Array) -> jax.Array:
-  """RN(n / 10) for the integers n of the 8-bit decode (see above)."""
-  return n * _TENTH_HI + n * _TENTH_LO
-
-
-@functools.cache
-def _decade_factors(role: str) -> tuple:
-  """Per e = 0 .. 7: D_i / 2^(e+1), the decade's factor of the 8-bit decode (unused: 0)."""
-  first = 0 if role == "mu" else 1  # e of the first decade (10^-6)
-  return tuple(np.float32(np.float32(10.0 ** (e - first - 6)) * np.float32(2.0 ** -(e + 1)))
-               if 0 <= e - first <= 6 else np.float32(0.0) for e in range(8))
-
-
-def _decode_8bit(codes: jax.Array, role: str) -> jax.Array:
-  c = codes.astype(jnp.int32)
-  k = jnp.abs(c - 127) if role == "mu" else c + 1
-  kf = k.astype(jnp.float32)
-  e = (jax.lax.bitcast_convert_type(kf, jnp.int32) >> 23) - 127  # floor(log2 k)
-  power = jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)  # 2^e
-  n = kf * np.float32(9.0) - power * np.float32(8.0)  # exact: integers under 2^11
-  twice_mean = _tenth(n) + _tenth(n + np.float32(9.0))  # 2^e (e_j + e_(j+1))
-  f = _decade_factors(role)
-  bit = [(e & (1 << b)) != 0 for b in range(3)]
-  pairs = [jnp.where(bit[0], f[2 * q + 1], f[2 * q]) for q in range(4)]
-  quads = [jnp.where(bit[1], pairs[2 * q + 1], pairs[2 * q]) for q in range(2)]
-  value = twice_mean * jnp.where(bit[2], quads[1], quads[0])
-  if role == "mu":
-    value = jnp.where(c < 127, -value, jnp.where(c == 127, np.float32(0.0), value))
-  else:
-    value = jnp.where(c == 0, np.float32(0.0), value)
-  return jnp.where(c == 255, np.float32(1.0), value)
 
 
 def _hash32(h: jax.Array) -> jax.Array:
@@ -461,7 +411,7 @@ def _encode(r: jax.Array, fmt: Format) -> jax.Array:
 
 def _decode(codes: jax.Array, fmt: Format) -> jax.Array:
   if fmt.kind == "8bit":
-    return _decode_8bit(codes, fmt.role)
+    return jnp.asarray(code_book(fmt.kind, fmt.role))[codes.astype(jnp.int32)]
   if fmt.kind == "4bit":
     return _decode_4bit_mu(codes) if fmt.role == "mu" else _decode_4bit_nu(codes)
   return _decode_fp8(codes) * np.float32(1 / FP8_MAX)

@@ -1882,13 +1882,14 @@ MomentFn PickMoments(int64_t kind, bool amsgrad) {
 }
 
 #ifdef ADAMKIT_AVX2
-// The pass in AVX-512, for whole blocks of 16 to kRequantMaxBlock elements whose code books
-// have CodeSearch's table: sixteen elements per step, the old moments read by a gather from
-// the book, stepped (MomentRows' operations), kept in a stack buffer with the block's
-// largest magnitudes, then encoded by CodeSearch::Codes16 (the code in byte 2 of each lane).
-// Sanitize's work is left out where every new moment is finite (a second moment is then
-// non-negative: b2 v + (1 - b2) g^2 of a decoded v >= 0, and AdaMax's max(b2 v, |g|)); a
-// block with a NaN or an infinity goes through Sanitize and EncodeBlock instead.
+// The pass in AVX-512 (with VBMI), for whole blocks of 64 to kRequantMaxBlock elements whose
+// code books have CodeSearch's table: 64 elements per step, the old moments decoded by the
+// fused step's byte permutes (QDecode64), stepped (MomentRows' operations), kept in a stack
+// buffer with the block's largest magnitudes, then encoded by CodeSearch::Codes16 (the
+// code in byte 2 of each lane). Sanitize's work is left out where every new moment is
+// finite (a second moment is then non-negative: b2 v + (1 - b2) g^2 of a decoded v >= 0,
+// and AdaMax's max(b2 v, |g|)); a block with a NaN or an infinity goes through
+// EncodeBlock instead.
 #define ADAMKIT_REQUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
 constexpr int64_t kRequantMaxBlock = 4096;  // the stack buffers' block size bound
 constexpr int64_t kRequantAhead = 1024;     // elements prefetched ahead
@@ -1910,6 +1911,9 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
   const __m512 b1 = _mm512_set1_ps(sc.b1), omb1 = _mm512_set1_ps(sc.omb1);
   const __m512 b2 = _mm512_set1_ps(sc.b2), omb2 = _mm512_set1_ps(sc.omb2);
   const __m512 zero = _mm512_setzero_ps();
+  const __m512i order = LaneOrder();
+  BookPlanes books[nstate];
+  for (int64_t s = 0; s < nstate; ++s) LoadPlanes(in[s].book, &books[s]);
   alignas(64) float x[nstate][kRequantMaxBlock];
   for (int64_t j = lo; j < hi; ++j) {
     const float* gj = g + j * block;
@@ -1921,39 +1925,36 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
       amax[s] = zero;
     }
     __mmask16 bad = 0;  // lanes where a new moment is NaN or infinite
-    for (int64_t i = 0; i < block; i += 16) {
-      if (i % 64 == 0) {
-        for (int64_t q = 0; q < 4; ++q) {
-          _mm_prefetch(reinterpret_cast<const char*>(gj + i + kRequantAhead + 16 * q), _MM_HINT_T0);
+    for (int64_t i = 0; i < block; i += 64) {
+      for (int64_t q = 0; q < 4; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(gj + i + kRequantAhead + 16 * q), _MM_HINT_T0);
+      }
+      for (int64_t s = 0; s < nstate; ++s) {
+        _mm_prefetch(reinterpret_cast<const char*>(code[s] + i + kRequantAhead), _MM_HINT_T0);
+      }
+      __m512 y[nstate][4];
+      for (int64_t s = 0; s < nstate; ++s) QDecode64(books[s], order, code[s] + i, scale[s], y[s]);
+      for (int64_t q = 0; q < 4; ++q) {
+        const __m512 gi = _mm512_loadu_ps(gj + i + 16 * q);
+        y[0][q] = _mm512_add_ps(_mm512_mul_ps(b1, y[0][q]), _mm512_mul_ps(omb1, gi));
+        if (kind == kAdamax) {
+          // (|g| is NaN || |g| > b2 v) ? |g| : b2 v, as MomentRows
+          const __m512 decayed = _mm512_mul_ps(b2, y[1][q]);
+          const __m512 norm = _mm512_abs_ps(gi);
+          y[1][q] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(norm, decayed, _CMP_NLE_UQ), decayed, norm);
+        } else {
+          y[1][q] = _mm512_add_ps(_mm512_mul_ps(b2, y[1][q]),
+                                  _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
+          if (amsgrad) {  // (v is NaN || v > vmax) ? v : vmax
+            y[2][q] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(y[1][q], y[2][q], _CMP_NLE_UQ),
+                                           y[2][q], y[1][q]);
+          }
         }
         for (int64_t s = 0; s < nstate; ++s) {
-          _mm_prefetch(reinterpret_cast<const char*>(code[s] + i + kRequantAhead), _MM_HINT_T0);
+          bad |= _mm512_fpclass_ps_mask(y[s][q], 0x99);  // NaN, +inf, -inf
+          _mm512_store_ps(x[s] + i + 16 * q, y[s][q]);
+          amax[s] = _mm512_max_ps(amax[s], _mm512_abs_ps(y[s][q]));
         }
-      }
-      __m512 y[nstate];
-      for (int64_t s = 0; s < nstate; ++s) {
-        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code[s] + i)));
-        y[s] = _mm512_mul_ps(_mm512_i32gather_ps(c, in[s].book, 4), scale[s]);
-      }
-      const __m512 gi = _mm512_loadu_ps(gj + i);
-      y[0] = _mm512_add_ps(_mm512_mul_ps(b1, y[0]), _mm512_mul_ps(omb1, gi));
-      if (kind == kAdamax) {
-        // (|g| is NaN || |g| > b2 v) ? |g| : b2 v, as MomentRows
-        const __m512 decayed = _mm512_mul_ps(b2, y[1]);
-        const __m512 norm = _mm512_abs_ps(gi);
-        const __mmask16 take = _mm512_cmp_ps_mask(norm, decayed, _CMP_NLE_UQ);
-        y[1] = _mm512_mask_blend_ps(take, decayed, norm);
-      } else {
-        y[1] = _mm512_add_ps(_mm512_mul_ps(b2, y[1]), _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
-        if (amsgrad) {  // (v is NaN || v > vmax) ? v : vmax
-          const __mmask16 take = _mm512_cmp_ps_mask(y[1], y[2], _CMP_NLE_UQ);
-          y[2] = _mm512_mask_blend_ps(take, y[2], y[1]);
-        }
-      }
-      for (int64_t s = 0; s < nstate; ++s) {
-        bad |= _mm512_fpclass_ps_mask(y[s], 0x99);  // NaN, +inf, -inf
-        _mm512_store_ps(x[s] + i, y[s]);
-        amax[s] = _mm512_max_ps(amax[s], _mm512_abs_ps(y[s]));
       }
     }
     if (bad != 0) {
@@ -1964,10 +1965,11 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
       const float sj = std::max(_mm512_reduce_max_ps(amax[s]), kScaleFloor);
       out[s].scales[j] = sj;
       const __m512 inv = _mm512_set1_ps(1.0f / sj);
+      const CodeSearch& search = *out[s].search;
       uint8_t* dst = out[s].codes + j * block;
       for (int64_t i = 0; i < block; i += 16) {
         const __m512 r = _mm512_mul_ps(_mm512_load_ps(x[s] + i), inv);
-        const __m512i t = s == 0 ? out[s].search->Codes16<false>(r) : out[s].search->Codes16<true>(r);
+        const __m512i t = s == 0 ? search.Codes16<false>(r) : search.Codes16<true>(r);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                          _mm512_cvtepi32_epi8(_mm512_srli_epi32(t, 16)));
       }
@@ -1981,7 +1983,7 @@ using RequantFastFn = void (*)(const Scalars&, const float*, const QBuffer*, con
 // The AVX-512 pass for this call, or nullptr (then RequantizeBlocks' general path).
 RequantFastFn PickRequantFast(int64_t kind, bool amsgrad, const QBuffer* out, int64_t nstate,
                               int64_t block) {
-  if (!RequantHasAvx512() || block < 16 || block > kRequantMaxBlock) return nullptr;
+  if (!RequantHasAvx512() || block < 64 || block > kRequantMaxBlock) return nullptr;
   for (int64_t s = 0; s < nstate; ++s) {
     if (!out[s].search->fast()) return nullptr;
   }
