@@ -1891,7 +1891,7 @@ MomentFn PickMoments(int64_t kind, bool amsgrad) {
 // and AdaMax's max(b2 v, |g|)); a block with a NaN or an infinity goes through
 // EncodeBlock instead.
 #define ADAMKIT_REQUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
-constexpr int64_t kRequantMaxBlock = 4096;  // the stack buffers' block size bound
+constexpr int64_t kRequantMaxBlock = 2048;  // the stack buffers' block size bound (48 KiB)
 constexpr int64_t kRequantAhead = 1024;     // elements prefetched ahead
 
 bool RequantHasAvx512() {
@@ -1903,6 +1903,19 @@ bool RequantHasAvx512() {
   return has;
 }
 
+// Codes of x[0 .. 64) * inv (CodeSearch::Codes16, byte 2 of each lane), stored at out.
+template <bool nonneg>
+ADAMKIT_REQUANT_AVX512 __attribute__((always_inline)) inline void RequantEncode64(
+    const CodeSearch& search, const float* x, __m512 inv, uint8_t* out) {
+  for (int64_t q = 0; q < 4; ++q) {
+    const __m512i t = search.Codes16<nonneg>(_mm512_mul_ps(_mm512_load_ps(x + 16 * q), inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * q),
+                     _mm512_cvtepi32_epi8(_mm512_srli_epi32(t, 16)));
+  }
+}
+
+// Blocks [lo, hi), all whole. The codes of block j - 1 are encoded in the loop that decodes
+// and steps block j (its gathers from the code table then overlap the permutes).
 template <int64_t kind, bool amsgrad>
 ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const float* g,
                                                    const QBuffer* in, const QBuffer* out,
@@ -1914,13 +1927,19 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
   const __m512i order = LaneOrder();
   BookPlanes books[nstate];
   for (int64_t s = 0; s < nstate; ++s) LoadPlanes(in[s].book, &books[s]);
-  alignas(64) float x[nstate][kRequantMaxBlock];
+  alignas(64) float x[2][nstate][kRequantMaxBlock];  // [block parity][moment]
+  bool pending = false;  // block j - 1's codes are still to be written (from x[(j - 1) & 1])
+  __m512 inv[nstate];    // and the reciprocals of its scales
   for (int64_t j = lo; j < hi; ++j) {
+    float (*cur)[kRequantMaxBlock] = x[j & 1];
+    float (*prev)[kRequantMaxBlock] = x[(j - 1) & 1];
     const float* gj = g + j * block;
     const uint8_t* code[nstate];
+    uint8_t* prev_code[nstate];
     __m512 scale[nstate], amax[nstate];
     for (int64_t s = 0; s < nstate; ++s) {
       code[s] = in[s].codes + j * block;
+      prev_code[s] = out[s].codes + (j - 1) * block;
       scale[s] = _mm512_set1_ps(in[s].scales[j]);
       amax[s] = zero;
     }
@@ -1952,26 +1971,37 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
         }
         for (int64_t s = 0; s < nstate; ++s) {
           bad |= _mm512_fpclass_ps_mask(y[s][q], 0x99);  // NaN, +inf, -inf
-          _mm512_store_ps(x[s] + i + 16 * q, y[s][q]);
+          _mm512_store_ps(cur[s] + i + 16 * q, y[s][q]);
           amax[s] = _mm512_max_ps(amax[s], _mm512_abs_ps(y[s][q]));
         }
       }
+      if (pending) {
+        RequantEncode64<false>(*out[0].search, prev[0] + i, inv[0], prev_code[0] + i);
+        for (int64_t s = 1; s < nstate; ++s) {
+          RequantEncode64<true>(*out[s].search, prev[s] + i, inv[s], prev_code[s] + i);
+        }
+      }
     }
-    if (bad != 0) {
-      for (int64_t s = 0; s < nstate; ++s) EncodeBlock(out[s], block, j, block, x[s]);
-      continue;
-    }
+    pending = bad == 0;
     for (int64_t s = 0; s < nstate; ++s) {
+      if (!pending) {
+        EncodeBlock(out[s], block, j, block, cur[s]);
+        continue;
+      }
       const float sj = std::max(_mm512_reduce_max_ps(amax[s]), kScaleFloor);
       out[s].scales[j] = sj;
-      const __m512 inv = _mm512_set1_ps(1.0f / sj);
-      const CodeSearch& search = *out[s].search;
-      uint8_t* dst = out[s].codes + j * block;
-      for (int64_t i = 0; i < block; i += 16) {
-        const __m512 r = _mm512_mul_ps(_mm512_load_ps(x[s] + i), inv);
-        const __m512i t = s == 0 ? search.Codes16<false>(r) : search.Codes16<true>(r);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                         _mm512_cvtepi32_epi8(_mm512_srli_epi32(t, 16)));
+      inv[s] = _mm512_set1_ps(1.0f / sj);
+    }
+  }
+  if (pending) {  // the last block's codes
+    for (int64_t s = 0; s < nstate; ++s) {
+      for (int64_t i = 0; i < block; i += 64) {
+        uint8_t* dst = out[s].codes + (hi - 1) * block + i;
+        if (s == 0) {
+          RequantEncode64<false>(*out[0].search, x[(hi - 1) & 1][0] + i, inv[0], dst);
+        } else {
+          RequantEncode64<true>(*out[s].search, x[(hi - 1) & 1][s] + i, inv[s], dst);
+        }
       }
     }
   }
