@@ -15,8 +15,10 @@ the step in two, each of which XLA keeps small:
   :class:`MomentRule`, and every moment is "8bit" in blocks of one size).
 
 Both compute the moments with the same function (the kernel: the same float32
-operations in the same order), so the stored state is ``quantize(m_t)`` exactly, as the
-one-pass form would give.
+operations in the same order), so the stored state is ``quantize(m_t)``, as the one-pass
+form would give: exactly when run eagerly; under ``jit`` XLA may contract a multiply and
+an add into one FMA, differently in the two passes, so ``m_t`` may differ by a rounding
+between the direction and the stored codes (the kernel never contracts).
 
 The chunks of a leaf whose codes keep its leading axes (the last axis a multiple of every
 block) are strided over axis 0: chunk ``k`` holds the rows ``k, k + K, k + 2K, ...``, so a
