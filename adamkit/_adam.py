@@ -244,8 +244,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                  nesterov=nesterov)
     step = functools.partial(amsgrad_direction if amsgrad else adam_direction, **hyper)
 
+    rule = _quant_ops.MomentRule("adam", hyper["b1"], hyper["b2"])
+
     def leaf(g, *olds):  # olds: (m, v) or (m, v, v_max), each kept as stored
-      return _quant_ops.leaf_step(step, g, olds, count)
+      return _quant_ops.leaf_step(step, g, olds, count, rule)
 
     u, *moments = tree_map_multi(leaf, 1 + len(olds), updates, *olds)
     if amsgrad:

@@ -97,8 +97,10 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     def step(g, m, v):
       return adamax_direction(g, m, v, b1=b1_, b2=b2_, eps=eps_, bc1=bc1)
 
+    rule = _quant_ops.MomentRule("adamax", b1_, b2_)
+
     def leaf(g, m_old, v_old):
-      return _quant_ops.leaf_step(step, g, (m_old, v_old), count)
+      return _quant_ops.leaf_step(step, g, (m_old, v_old), count, rule)
 
     u, mu, nu = tree_map_multi(leaf, 3, updates, state.mu, state.nu)
     return u, ScaleByAdamaxState(count=count, mu=mu, nu=nu)

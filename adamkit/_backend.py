@@ -11,7 +11,8 @@ The rule (``backend`` is the user's argument):
 2. ``"kernel"`` when the library is not built: ``RuntimeError``. ``"auto"`` without it: XLA.
 3. Arrays the kernel cannot take (not float32, ids wider than int32, a table of more than
    ``2**31 - 1`` rows, moments at different offsets; quantized moments in another format
-   than "8bit", of two block sizes, or for an operation other than the dense step;
+   than "8bit", of two block sizes, or for an operation other than the dense step and the
+   chain form's requantization (which takes them all "8bit");
    low-precision params other than bfloat16, or bfloat16 params outside the dense step
    with ``param_rounding`` over float32 moments): XLA, even when forced.
 4. Arrays spread over several devices, or on a device that is not a CPU: XLA, even when

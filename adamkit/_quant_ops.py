@@ -10,12 +10,17 @@ the step in two, each of which XLA keeps small:
   it fuses into ``optax.apply_updates``' add and is never materialized;
 * the *new* codes and scales in a ``lax.fori_loop`` over chunks of about
   :data:`CHUNK` elements, which decodes, steps and encodes one chunk at a time into
-  fresh output buffers.
+  fresh output buffers; or, on one CPU device with the compiled kernel, in one kernel
+  call that does the same block by block (the leaf's step names its moment rows, a
+  :class:`MomentRule`, and every moment is "8bit" in blocks of one size).
 
-Both compute the moments with the same function, so the stored state is
-``quantize(m_t, step=t)`` exactly, as the one-pass form would give: each chunk hands the
-encoder its elements' flat positions in the leaf, which with the step count key the 4-bit
-first moment's dither (:func:`adamkit._quant.dither`).
+Both compute the moments with the same function (the kernel: the same float32
+operations in the same order), so the stored state is ``quantize(m_t, step=t)``, as the
+one-pass form would give: exactly when run eagerly; under ``jit`` XLA may contract a
+multiply and an add into one FMA, differently in the two passes, so ``m_t`` may differ by
+a rounding between the direction and the stored codes (the kernel never contracts). Each
+chunk hands the encoder its elements' flat positions in the leaf, which with the step
+count key the 4-bit first moment's dither (:func:`adamkit._quant.dither`).
 
 The chunks of a leaf whose codes keep its leading axes (the last axis a multiple of every
 block) are strided over axis 0: chunk ``k`` holds the rows ``k, k + K, k + 2K, ...``, so a
@@ -28,14 +33,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from adamkit import _quant
+from adamkit import _backend, _quant
 from adamkit._dtypes import compute_dtype
 from adamkit._tree import is_tracer
 from adamkit._validate import path_name
@@ -46,14 +51,28 @@ CHUNK = 1 << 16  # elements encoded per loop iteration: float32 temporaries of 2
 # ----------------------------------------------------------------------- the leaf step
 
 
-def leaf_step(step: Callable, g: jax.Array, olds, count: jax.Array) -> tuple:
+class MomentRule(NamedTuple):
+  """The moment rows of a leaf's ``step``, which the CPU kernel can run in its place to
+  store the new moments: ``"adam"`` (``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2)
+  g^2`` and, with a third moment, AMSGrad's ``max(vmax, v)``) or ``"adamax"`` (``m`` and
+  the norm ``max(b2 v, |g|)``), with the float32 decays ``step`` uses."""
+
+  kind: str
+  b1: jax.Array
+  b2: jax.Array
+
+
+def leaf_step(step: Callable, g: jax.Array, olds, count: jax.Array,
+              rule: MomentRule | None = None) -> tuple:
   """``step(g, *moments) -> (u, *new_moments)`` on one leaf whose moments ``olds`` are
   stored as plain arrays (any dtype) or :class:`adamkit._quant.QuantizedArray`.
 
   ``step`` sees the moments in the compute dtype (dequantized where stored quantized) and
   must be elementwise. ``count``: the optimizer's step count of the new moments (int32
   scalar, 1 at the first step), for the 4-bit first moment's dither. Returns ``u`` in the
-  gradient's dtype and each new moment stored as its old one is."""
+  gradient's dtype and each new moment stored as its old one is. ``rule``: ``step``'s
+  moment rows, if they are one of :class:`MomentRule`'s (then the CPU kernel may store
+  the new 8-bit moments)."""
   dt = compute_dtype(g)
   u, *news = step(g.astype(dt), *(_quant.load(o).astype(dt) for o in olds))
   u = u.astype(g.dtype)
@@ -61,9 +80,38 @@ def leaf_step(step: Callable, g: jax.Array, olds, count: jax.Array) -> tuple:
     return (u, *(n.astype(o.dtype) for n, o in zip(news, olds)))
   # XLA converts a low-precision g to float32 whole before the loop (bf16 params: 4 bytes
   # per parameter of temporaries, against under 0.2 for float32 ones)
+  if _on_kernel(rule, g, olds):
+    return (u, *_kernel_requantize(rule, g, olds))
   stored = _requantize(lambda gc, *oc: step(gc, *oc)[1:], g.astype(dt), olds, count)
   return (u, *(s if _quant.is_qarray(o) else n.astype(o.dtype)
                for s, n, o in zip(stored, news, olds)))
+
+
+def _on_kernel(rule: MomentRule | None, g: jax.Array, olds) -> bool:
+  """Whether the CPU kernel stores this leaf's new moments (the rule of
+  :func:`adamkit._backend.decide`, backend "auto"): a known rule, a float32 gradient,
+  every moment "8bit" in blocks of one size, in the rule's order (first moment, then the
+  non-negative ones), the leaf big enough, on one CPU device."""
+  if rule is None or not all(_quant.is_qarray(o) and o.fmt.kind == "8bit" for o in olds):
+    return False
+  roles = ["mu"] + ["nu"] * (len(olds) - 1)
+  fits = (len(olds) in ((2,) if rule.kind == "adamax" else (2, 3))
+          and [o.fmt.role for o in olds] == roles
+          and len({o.fmt.block_size for o in olds}) == 1 and g.size > 0)
+  return _backend.use_kernel("auto", g, *olds, fits=fits, quantized=True,
+                             big_enough=g.size >= _backend.MIN_LEAF)
+
+
+def _kernel_requantize(rule: MomentRule, g: jax.Array, olds) -> list:
+  """The new moments of ``rule`` stored as ``olds`` are, by the CPU kernel in one call."""
+  ffi = _backend.native_ffi
+  variant = ffi.Variant("adamax" if rule.kind == "adamax" else "hat", amsgrad=len(olds) == 3)
+  s = ffi.scalars(variant.kind, b1=rule.b1, b2=rule.b2, eps=0.0, lr=0.0, wd=0.0, bc1=1.0,
+                  bc2=1.0)
+  codes = tuple(ffi.Codes(o.codes, o.scales, _quant.code_book(o.fmt.kind, o.fmt.role),
+                          _quant._midpoints(o.fmt.kind, o.fmt.role)) for o in olds)
+  new = ffi.requantize(variant, s, g, codes, block=olds[0].fmt.block_size)
+  return [_quant.QuantizedArray(k.codes, k.scales, o.shape, o.fmt) for k, o in zip(new, olds)]
 
 
 def _requantize(moments: Callable, g: jax.Array, olds, count) -> list:

@@ -10,17 +10,26 @@ as medians:
 * ``torch.optim.AdamW(fused=True)`` in float32, the reference of the ratios, and
   ``(foreach=True)``;
 * ``optax.adamw`` in float32 and the chain form ``ak.adamw(mu_dtype="8bit",
-  nu_dtype="8bit")`` (skipped, with a note, where this adamkit's chain does not take a
-  quantized format yet);
+  nu_dtype="8bit")`` with ``optax.apply_updates``: its direction computed by XLA from the
+  old codes (fused into the parameter add), its new codes by the C++ kernel
+  (``adamkit_cpu_requantize``, one pass); ``--chain-xla`` adds the same chain with the new
+  codes by XLA's chunked loop (what runs without the kernel or on several devices);
 * torchao ``AdamW8bit`` and bitsandbytes ``AdamW8bit``, on CPU (the ``bench`` extra).
 
 Every JAX step is jitted with params and state donated, ``block_until_ready`` inside the
 timing. The machine is shared: the absolute times move with its load, the interleaved
 ratios much less; run with enough repeats.
 
+Memory of the chain form (printed after the table): the persistent state in bytes per
+parameter, and the XLA temporaries of the jitted update + apply_updates
+(``compiled.memory_analysis().temp_size_in_bytes``) per parameter, with the params
+donated (the new codes are then the outputs) and with params and state donated (XLA
+copies the old codes, which the direction still reads while the new ones are written).
+
   python benchmarks/bench_lowbit_speed.py              # 15 rounds
   python benchmarks/bench_lowbit_speed.py --reps 30 --no-anchors   # without torchao / bnb
   python benchmarks/bench_lowbit_speed.py --xla        # adds the fused 8-bit step on XLA
+  python benchmarks/bench_lowbit_speed.py --chain-xla  # adds the chain form without the kernel
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import os
 import sys
 import time
 import warnings
+from unittest import mock
 
 # torch's OpenMP workers otherwise spin after each step and steal the two cores from the
 # next contender's threads (see bench_dense.py).
@@ -44,6 +54,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 import adamkit as ak  # noqa: E402
+from adamkit import _quant_ops  # noqa: E402
 
 try:
   import torch  # noqa: E402
@@ -55,9 +66,15 @@ SHAPE = (4096, 4096)
 REFERENCE = "torch AdamW fused f32"
 
 
-def jax_runner(step, params, state, grads):
+def jax_runner(step, params, state, grads, kernel=True):
+  """``step`` jitted with params and state donated (``kernel=False``: compiled with the
+  chain form's kernel turned off, its XLA loop instead)."""
+  params = jax.tree.map(jnp.copy, params)
   fn = jax.jit(step, donate_argnums=(0, 1))
-  return common.stateful_runner(fn, (jax.tree.map(jnp.copy, params), state), (grads,))
+  if not kernel:
+    with mock.patch.object(_quant_ops, "_on_kernel", lambda *a: False):
+      fn = fn.lower(params, state, grads).compile()
+  return common.stateful_runner(fn, (params, state), (grads,))
 
 
 def fused_runner(opt, params, grads):
@@ -65,12 +82,29 @@ def fused_runner(opt, params, grads):
   return jax_runner(lambda p, s, g: opt.step(p, s, grads=g), p, opt.init(p), grads)
 
 
-def optax_runner(tx, params, grads):
+def optax_step(tx):
   def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
+  return step
+
+
+def optax_runner(tx, params, grads, kernel=True):
   p = jax.tree.map(jnp.copy, params)
-  return jax_runner(step, p, tx.init(p), grads)
+  return jax_runner(optax_step(tx), p, tx.init(p), grads, kernel)
+
+
+def chain_memory(tx, params) -> dict:
+  """Bytes per parameter of ``tx``'s state, and of the XLA temporaries of its jitted update
+  + apply_updates, params donated / params and state donated."""
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+  state = jax.eval_shape(tx.init, shapes)
+  n = sum(p.size for p in jax.tree.leaves(params))
+  out = {"state": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / n}
+  for name, donate in (("temp, params donated", (0,)), ("temp, params and state donated", (0, 1))):
+    compiled = jax.jit(optax_step(tx), donate_argnums=donate).lower(shapes, state, shapes).compile()
+    out[name] = compiled.memory_analysis().temp_size_in_bytes / n
+  return out
 
 
 def torch_runner(make_opt):
@@ -109,6 +143,8 @@ def main():
   ap.add_argument("--reps", type=int, default=15)
   ap.add_argument("--no-anchors", action="store_true", help="skip torchao and bitsandbytes")
   ap.add_argument("--xla", action="store_true", help="add the fused 8-bit step on XLA")
+  ap.add_argument("--chain-xla", action="store_true",
+                  help="add the chain form with its new codes by XLA's loop (no kernel)")
   args = ap.parse_args()
   if not ak.cpu_kernel_available():
     ak.build_cpu_kernel()
@@ -128,12 +164,12 @@ def main():
     runners["ak.fused_adamw 8bit (pure JAX)"] = fused_runner(
         fused(mu_dtype="8bit", nu_dtype="8bit", backend="xla"), params, grads)
   notes = []
-  try:
-    chain = ak.adamw(LR, B1, B2, EPS, weight_decay=WD, weight_decay_mask=None,
-                     mu_dtype="8bit", nu_dtype="8bit")
-    runners['ak.adamw(mu_dtype="8bit", nu_dtype="8bit") chain'] = optax_runner(chain, params, grads)
-  except (TypeError, ValueError) as e:  # a chain form without quantized moments yet
-    notes.append(f"chain form skipped: {e}")
+  chain = ak.adamw(LR, B1, B2, EPS, weight_decay=WD, weight_decay_mask=None,
+                   mu_dtype="8bit", nu_dtype="8bit")
+  runners['ak.adamw(mu_dtype="8bit", nu_dtype="8bit") chain'] = optax_runner(chain, params, grads)
+  if args.chain_xla:
+    runners["ak.adamw 8bit chain, XLA loop (no kernel)"] = optax_runner(chain, params, grads,
+                                                                        kernel=False)
   if torch is not None:
     runners[REFERENCE] = torch_runner(lambda ps: torch.optim.AdamW(
         ps, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=True))
@@ -166,9 +202,13 @@ def main():
                       "CPU x torch fused"], rows))
   for note in notes:
     print(f"\n({note})")
+  memory = chain_memory(chain, params)
+  print("\nak.adamw 8-bit chain form, bytes per parameter: " +
+        ", ".join(f"{k} {v:.3g}" for k, v in memory.items()))
+  print(f"load average (1, 5, 15 min): {os.getloadavg()}")
   path = common.write_json("bench_lowbit_speed", {
       "shape": SHAPE, "reps": args.reps, "median_ms": med, "median_cpu_ms": med_cpu,
-      "samples_s": times, "notes": notes,
+      "samples_s": times, "notes": notes, "chain_bytes_per_param": memory,
       "load_average": os.getloadavg()})
   print(f"\nwritten: {path}")
 

@@ -4,7 +4,10 @@ References: the 8-bit format's encoder (``_quant.encode_blocks`` under jit) for 
 codes and scales, bit for bit, ties and midpoints included; a float32 NumPy replica of the
 quantized step (its own nearest-code search, ``np.searchsorted``) for the kernel's whole
 trajectory, bit for bit; torchao's ``AdamW8bit`` trajectory (the golden file) for the
-format and the step; and the XLA path against the kernel.
+format and the step; and the XLA path against the kernel. Also the chain form's kernel
+(``ak.adamw(mu_dtype="8bit", ...)`` on one CPU device: the new codes by
+``adamkit_cpu_requantize``), against the same encoder and against the step written out
+eagerly (dequantize, the moment rows, quantize), bit for bit.
 """
 
 import functools
@@ -17,7 +20,7 @@ from conftest import GOLDEN
 from reference import round_4bit_mu
 
 import adamkit as ak
-from adamkit import _adam, _quant
+from adamkit import _adam, _quant, _quant_ops
 from adamkit._cpu import ffi
 
 Q8 = ak.Quantized("8bit", min_size=0)
@@ -384,3 +387,121 @@ def test_nonfinite_gradients_leave_no_nan_scale(kernel):
     _, state = jax.jit(opt.step)(params, opt.init(params), grads=g)
     for buf in (state.mu, state.nu, state.nu_max):
       assert np.isfinite(np.asarray(buf["8bit"].scales)).all()
+
+
+# ------------------------------------------ the chain form's kernel (requantize)
+
+
+def _requantized(g, olds, kind="adam", b1=0.9, b2=0.999):
+  rule = _quant_ops.MomentRule(kind, jnp.float32(b1), jnp.float32(b2))
+  return jax.jit(lambda g, *o: _quant_ops._kernel_requantize(rule, g, o))(g, *olds)
+
+
+@pytest.mark.parametrize("block", [256, 64, 8, 2])  # the AVX-512 pass (>= 64); the general path
+@pytest.mark.parametrize("kind,amsgrad", [("adam", False), ("adam", True), ("adamax", False)])
+def test_requantize_codes_are_the_formats_bit_for_bit(kernel, block, kind, amsgrad):
+  """b1 = b2 = 0 from zero moments: the new moments are g and g * g (AdaMax: |g|; AMSGrad's
+  maximum: g * g), whose codes and scales are the format's encoder's, ties included."""
+  g = _hard_values(block)
+  roles = ("mu", "nu", "nu")[:3 if amsgrad else 2]
+  olds = tuple(_quant.zeros(g.shape, _quant.Format("8bit", r, block)) for r in roles)
+  got = _requantized(jnp.asarray(g), olds, kind, b1=0.0, b2=0.0)
+  with np.errstate(over="ignore"):  # g * g overflows to inf: stored as 0
+    second = np.abs(g) if kind == "adamax" else g * g
+  for q, x, old in zip(got, (g, second, second), olds):
+    want = jax.jit(lambda x, fmt=old.fmt: _quant.encode_blocks(x.reshape(-1, block), fmt))(x)
+    assert q.codes.shape == old.codes.shape and q.scales.shape == old.scales.shape
+    np.testing.assert_array_equal(np.asarray(q.codes).reshape(-1, block), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(q.scales), np.asarray(want[1]))
+
+
+def _eager_moments(kind, g, olds, b1, b2):
+  """The new moments stored, written out eagerly: dequantize, the moment rows, quantize."""
+  with jax.disable_jit():
+    x = [_quant.dequantize(o) for o in olds]
+    if kind == "adamax":
+      new = [b1 * x[0] + (1.0 - b1) * g, jnp.maximum(b2 * x[1], jnp.abs(g))]
+    else:
+      new = list(_adam.adam_moments(g, x[0], x[1], b1=b1, b2=b2))
+      if len(olds) == 3:
+        new.append(jnp.maximum(x[2], new[1]))
+    return [_quant.quantize(n, o.fmt) for n, o in zip(new, olds)]
+
+
+@pytest.mark.parametrize("shape,block,kind,amsgrad", [
+    ((256, 1024), 256, "adam", False),  # codes keep the rows
+    ((300, 1001), 256, "adam", True),  # flattened, the last block padded
+    ((70001,), 64, "adamax", False),
+    ((128, 512), 32, "adam", False),  # the general path
+    ((33, 4096), 4096, "adam", False),  # blocks over the AVX-512 pass's bound
+])
+def test_requantize_is_the_step_written_out(kernel, shape, block, kind, amsgrad):
+  """Random old states and gradients of every magnitude, NaN and Inf in some blocks: the
+  kernel's codes and scales are those of the eager step, bit for bit."""
+  rng = np.random.default_rng(block)
+  q = ak.Quantized("8bit", block_size=block, min_size=0)
+  g = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 4, shape)).astype(F32).reshape(-1)
+  g[[5, 700, -3]] = [np.nan, np.inf, -np.inf]
+  g = jnp.asarray(g.reshape(shape))
+  olds = [_quant.quantize(jnp.asarray(0.1 * rng.standard_normal(shape), jnp.float32),
+                          _quant.resolve(q, "mu"))]
+  for _ in range(2 if amsgrad else 1):
+    olds.append(_quant.quantize(jnp.asarray(0.01 * rng.random(shape), jnp.float32),
+                                _quant.resolve(q, "nu")))
+  b1, b2 = jnp.float32(0.9), jnp.float32(0.999)
+  got = _requantized(g, tuple(olds), kind)
+  for a, b in zip(got, _eager_moments(kind, g, olds, b1, b2)):
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+    np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+    assert np.isfinite(np.asarray(a.scales)).all()
+
+
+def test_chain_form_takes_the_kernel_where_the_rule_allows(kernel):
+  """8-bit moments of one block size, a float32 gradient of 2^15 elements or more, one
+  CPU device; otherwise the XLA loop."""
+  rule = _quant_ops.MomentRule("adam", jnp.float32(0.9), jnp.float32(0.999))
+  zeros = lambda n, r, kind="8bit", b=256: _quant.zeros((n,), _quant.Format(kind, r, b))  # noqa: E731
+  n = 1 << 15
+  g = jnp.ones(n, jnp.float32)
+  assert _quant_ops._on_kernel(rule, g, (zeros(n, "mu"), zeros(n, "nu")))
+  assert _quant_ops._on_kernel(rule, g, (zeros(n, "mu"), zeros(n, "nu"), zeros(n, "nu")))
+  assert not _quant_ops._on_kernel(None, g, (zeros(n, "mu"), zeros(n, "nu")))
+  assert not _quant_ops._on_kernel(rule, g[:-1], (zeros(n - 1, "mu"), zeros(n - 1, "nu")))
+  assert not _quant_ops._on_kernel(rule, g.astype(jnp.bfloat16), (zeros(n, "mu"), zeros(n, "nu")))
+  assert not _quant_ops._on_kernel(rule, g, (zeros(n, "mu"), zeros(n, "nu", "4bit")))
+  assert not _quant_ops._on_kernel(rule, g, (zeros(n, "mu"), zeros(n, "nu", b=128)))
+  assert not _quant_ops._on_kernel(rule, g, (zeros(n, "mu"), jnp.zeros(n)))
+  adamax = _quant_ops.MomentRule("adamax", jnp.float32(0.9), jnp.float32(0.999))
+  assert not _quant_ops._on_kernel(adamax, g, (zeros(n, "mu"), zeros(n, "nu"), zeros(n, "nu")))
+  if jax.device_count() > 1:  # spread over devices: XLA, which keeps the sharding
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    olds = tuple(jax.device_put(zeros(n, r), spec) for r in ("mu", "nu"))
+    assert not _quant_ops._on_kernel(rule, jax.device_put(g, spec), olds)
+
+
+def test_chain_form_on_the_kernel_matches_the_xla_loop(kernel, monkeypatch):
+  """ak.adamw with 8-bit moments, eager (one device: the kernel) against the same steps
+  with the kernel turned off (the XLA loop, eager): the same params and states, bit for
+  bit (eager, neither side contracts a multiply and an add)."""
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.standard_normal((64, 1024)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(3000), jnp.float32)}
+  grads = [{k: jnp.asarray(rng.standard_normal(p.shape) * 10.0 ** rng.uniform(-3, 1), jnp.float32)
+            for k, p in params.items()} for _ in range(3)]
+  runs, calls = [], []
+  on_kernel = _quant_ops._on_kernel
+  monkeypatch.setattr(_quant_ops, "_on_kernel", lambda *a: calls.append(on_kernel(*a)) or calls[-1])
+  for _ in range(2):
+    tx = ak.adamw(1e-2, weight_decay=0.01, weight_decay_mask=None,
+                  mu_dtype=ak.Quantized("8bit", min_size=0), nu_dtype=ak.Quantized("8bit", min_size=0))
+    p, state = params, tx.init(params)
+    with jax.disable_jit():
+      for g in grads:
+        u, state = tx.update(g, state, p)
+        p = jax.tree.map(lambda a, b: a + b, p, u)
+    runs.append((p, state))
+    monkeypatch.setattr(_quant_ops, "_on_kernel", lambda *a: calls.append(False) or False)
+  assert True in calls[:6]  # the first run took the kernel (for w, 2^16 elements)
+  for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -4,7 +4,8 @@ Builds ``adamkit/_cpu/adam_kernels.cc`` with ``-fsanitize=address,undefined`` an
 every entry point (``sparse_adam`` and ``sparse_adamw(amsgrad=True)`` + ``apply_updates``,
 ``fused_adam`` and ``fused_adamw(amsgrad=True)`` per leaf and multi-tensor with a table
 between dense leaves, ``fused_sparse_lazy_adam``, the dense step of every variant, the
-dense step with 8-bit quantized moments, the rounded dense step on bf16 params
+dense step with 8-bit quantized moments, the chain form's requantization of 8-bit moments
+(``adamw``, ``adam(amsgrad=True)``, ``adamax``), the rounded dense step on bf16 params
 (``param_rounding``), and each kernel called directly past the Python checks) with
 adversarial inputs, in a
 subprocess with AddressSanitizer preloaded. Passes when the subprocess reports zero
@@ -74,8 +75,10 @@ def _drive():  # noqa: C901 - one list of cases
   import jax
   import jax.numpy as jnp
   import numpy as np
+  import optax
 
   import adamkit as ak
+  from adamkit import _quant
 
   assert ak.cpu_kernel_available(), "the sanitizer kernel did not load"
   rng = np.random.default_rng(0)
@@ -291,6 +294,71 @@ def _drive():  # noqa: C901 - one list of cases
                 dict(q_attrs, amsgrad=True, state=np.int64(3))]:
     refused(call, "adamkit_cpu_step_quantized", outs, s9, *good, **attrs)
   refused(call, "adamkit_cpu_step_quantized", outs[:-1] + [sd(f32(5))], s9, *good, **q_attrs)
+  # --- the chain form's requantization (adamkit_cpu_requantize): ak.adamw / ak.adam
+  # (AMSGrad) / ak.adamax with 8-bit moments, update + apply_updates under jit and eagerly,
+  # on leaves of whole and partial blocks (the AVX-512 pass for blocks of 64 and more, the
+  # general path for the rest and for blocks of 32), one split over the thread pool, NaN/Inf
+  # gradients in some blocks
+  from adamkit import _quant_ops
+
+  chain = [functools.partial(ak.adamw, mu_dtype=q8, nu_dtype=q8),
+           functools.partial(ak.adam, mu_dtype=q8_32, nu_dtype=q8_32, amsgrad=True),
+           functools.partial(ak.adamax, mu_dtype=ak.Quantized("8bit", 64, 0),
+                             nu_dtype=ak.Quantized("8bit", 64, 0))]
+  for shape, make, jitted in itertools.product([(40_000,), (300, 1001), (64, 1024), (700_000,)],
+                                               chain, (True, False)):
+    tx = make(0.1)
+    params = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
+    state = tx.init(params)
+    for t in range(2):
+      g = jnp.asarray(rng.normal(size=shape) * 10.0 ** rng.integers(-30, 30, size=shape),
+                      jnp.float32).reshape(-1)
+      g = g.at[t * 300].set(jnp.nan).at[-1 - t].set(jnp.inf).at[5000].set(-jnp.inf)
+
+      def step(p, s, g, tx=tx):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+      params, state = (jax.jit(step) if jitted else step)(params, state, {"w": g.reshape(shape)})
+    jax.block_until_ready(params)
+    counts["cases"] += 1
+  g = jnp.ones(40_000, jnp.float32)
+  olds = tuple(_quant.zeros((40_000,), _quant.resolve(q8, r)) for r in ("mu", "nu"))
+  assert _quant_ops._on_kernel(_quant_ops.MomentRule("adam", 0.9, 0.999), g, olds), \
+      "the chain form did not take the kernel"
+
+  # --- the requantize kernel called directly with malformed buffers: the handler refuses
+  rq_attrs = dict(kind=np.int64(1), amsgrad=False, state=np.int64(2), block=np.int64(256))
+  gq = f32(1000)  # 4 blocks, the last one partial
+  rq_good = [codes, scales, book, mid, codes, scales, book, mid]
+  rq_outs = [sd(codes), sd(scales), sd(codes), sd(scales)]
+  jax.block_until_ready(call("adamkit_cpu_requantize", rq_outs, s9, gq, *rq_good, **rq_attrs))
+  for operands, attrs, outs in [
+      ((f32(700), *rq_good), rq_attrs, rq_outs),  # 3 blocks of gradient, 4 of moments
+      ((f32(1100), *rq_good), rq_attrs, rq_outs),  # 5 blocks of gradient
+      ((gq, u8(3, 256), *rq_good[1:]), rq_attrs, rq_outs),  # fewer codes than scales x block
+      ((gq, codes, f32(3), *rq_good[2:]), rq_attrs, rq_outs),  # too few scales
+      ((gq, *rq_good[:4], codes, f32(5), *rq_good[6:]), rq_attrs, rq_outs),  # too many
+      ((gq, codes, scales, f32(255), *rq_good[3:]), rq_attrs, rq_outs),  # a short code book
+      ((gq, codes, scales, book.at[7].set(jnp.inf), *rq_good[3:]), rq_attrs, rq_outs),
+      ((gq, codes, scales, book, f32(254), *rq_good[4:]), rq_attrs, rq_outs),  # short midpoints
+      ((gq, codes, scales, book, mid[::-1], *rq_good[4:]), rq_attrs, rq_outs),  # unsorted
+      ((gq, codes, scales, book, mid.at[3].set(jnp.nan), *rq_good[4:]), rq_attrs, rq_outs),
+      ((gq, f32(4, 256), *rq_good[1:]), rq_attrs, rq_outs),  # float codes
+      ((gq, *rq_good[:7]), rq_attrs, rq_outs),  # a buffer missing
+      ((gq, *rq_good), dict(rq_attrs, block=np.int64(100)), rq_outs),
+      ((gq, *rq_good), dict(rq_attrs, block=np.int64(0)), rq_outs),
+      ((gq, *rq_good), dict(rq_attrs, block=np.int64(2**21)), rq_outs),
+      ((gq, *rq_good), dict(rq_attrs, kind=np.int64(7)), rq_outs),
+      ((gq, *rq_good), dict(rq_attrs, state=np.int64(3)), rq_outs),  # 3 buffers, no AMSGrad
+      ((gq, *rq_good, *rq_good[:4]), dict(rq_attrs, kind=np.int64(2), amsgrad=True,
+                                          state=np.int64(3)), rq_outs + rq_outs[:2]),  # AdaMax
+      ((gq, *rq_good), rq_attrs, rq_outs[:3] + [sd(f32(5))]),  # a short result
+      ((gq, *rq_good), rq_attrs, [sd(u8(4, 255))] + rq_outs[1:]),  # short result codes
+      ((gq, *rq_good), rq_attrs, rq_outs[:3]),  # a result missing
+      ((gq, *rq_good), rq_attrs, rq_outs[:2] + [sd(f32(4, 256)), sd(scales)]),  # float codes
+  ]:
+    refused(call, "adamkit_cpu_requantize", outs, s9, *operands, **attrs)
   # --- the rounded dense step (bf16 params, param_rounding): public API on leaves of sizes
   # 0, 1, 17 (2-D: counters in two words), one split over the thread pool; bf16 and float32
   # gradients with NaN and Inf; every method, per leaf and multi-tensor

@@ -1815,3 +1815,333 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuStepQuantized, StepQuantized,
                                   .Attr<ffi::Span<const int64_t>>("quantized")
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<int64_t>("block"));
+
+// ---------------------------------------------------------------------------------------
+// The chain form's requantization (AdamkitCpuRequantize). Under jit, ak.scale_by_adam and
+// ak.scale_by_adamax with "8bit" moments compute the direction u in XLA, elementwise from
+// the old codes (fused into optax.apply_updates' add, never materialized), and the new
+// codes here: per block, in one pass over memory, decode the old moments into scratch, step
+// them with the moment rows of Update (the same operations in the same order, no FMA; the
+// direction is not needed), and encode them into fresh output buffers as EncodeBlock does
+// for the fused step. The outputs are never the inputs (XLA still reads the old codes for
+// u), so a block is read whole before any of its codes is written either way.
+namespace {
+
+// Update's moment rows on the c elements of one block. AdaMax's norm is XLA's
+// jnp.maximum(b2 v, |g|): NaN where g is NaN (stored as 0), where Update's std::max keeps
+// b2 v.
+template <int64_t kind, bool amsgrad>
+inline __attribute__((always_inline)) void MomentRows(const Scalars& k, const float* __restrict g,
+                                                      float* __restrict m, float* __restrict v,
+                                                      float* __restrict vmax, int64_t c) {
+  static_assert(!(amsgrad && kind == kAdamax), "AdaMax has no AMSGrad form");
+  for (int64_t i = 0; i < c; ++i) {
+    const float gi = g[i];
+    m[i] = k.b1 * m[i] + k.omb1 * gi;
+    if (kind == kAdamax) {
+      const float decayed = k.b2 * v[i], norm = std::fabs(gi);
+      v[i] = (norm != norm || norm > decayed) ? norm : decayed;
+    } else {
+      const float vi = k.b2 * v[i] + k.omb2 * (gi * gi);
+      v[i] = vi;
+      if (amsgrad) {
+        const float old = vmax[i];
+        vmax[i] = (vi != vi || vi > old) ? vi : old;
+      }
+    }
+  }
+}
+
+using MomentFn = void (*)(const Scalars&, const float*, float*, float*, float*, int64_t);
+
+template <int64_t kind, bool amsgrad>
+void Moments(const Scalars& k, const float* g, float* m, float* v, float* vmax, int64_t c) {
+  MomentRows<kind, amsgrad>(k, g, m, v, vmax, c);
+}
+
+#ifdef ADAMKIT_AVX2
+template <int64_t kind, bool amsgrad>
+__attribute__((target("avx2"))) void MomentsAvx2(const Scalars& k, const float* g, float* m,
+                                                 float* v, float* vmax, int64_t c) {
+  MomentRows<kind, amsgrad>(k, g, m, v, vmax, c);
+}
+#endif
+
+template <int64_t kind, bool amsgrad>
+MomentFn MomentInstance() {
+#ifdef ADAMKIT_AVX2
+  if (HasAvx2()) return MomentsAvx2<kind, amsgrad>;
+#endif
+  return Moments<kind, amsgrad>;
+}
+
+// The handler has checked the variant (ValidVariant): AMSGrad for Adam only.
+MomentFn PickMoments(int64_t kind, bool amsgrad) {
+  if (kind == kAdamax) return MomentInstance<kAdamax, false>();
+  return amsgrad ? MomentInstance<kAdamHat, true>() : MomentInstance<kAdamHat, false>();
+}
+
+#ifdef ADAMKIT_AVX2
+// The pass in AVX-512 (with VBMI), for whole blocks of 64 to kRequantMaxBlock elements whose
+// code books have CodeSearch's table: 64 elements per step, the old moments decoded by the
+// fused step's byte permutes (QDecode64), stepped (MomentRows' operations), kept in a stack
+// buffer with the block's largest magnitudes, then encoded by CodeSearch::Codes16 (the
+// code in byte 2 of each lane). Sanitize's work is left out where every new moment is
+// finite (a second moment is then non-negative: b2 v + (1 - b2) g^2 of a decoded v >= 0,
+// and AdaMax's max(b2 v, |g|)); a block with a NaN or an infinity goes through
+// EncodeBlock instead.
+#define ADAMKIT_REQUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
+constexpr int64_t kRequantMaxBlock = 2048;  // the stack buffers' block size bound (48 KiB)
+constexpr int64_t kRequantAhead = 1024;     // elements prefetched ahead
+
+bool RequantHasAvx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi");
+  }();
+  return has;
+}
+
+// Codes of x[0 .. 64) * inv (CodeSearch::Codes16, byte 2 of each lane), stored at out.
+template <bool nonneg>
+ADAMKIT_REQUANT_AVX512 __attribute__((always_inline)) inline void RequantEncode64(
+    const CodeSearch& search, const float* x, __m512 inv, uint8_t* out) {
+  for (int64_t q = 0; q < 4; ++q) {
+    const __m512i t = search.Codes16<nonneg>(_mm512_mul_ps(_mm512_load_ps(x + 16 * q), inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * q),
+                     _mm512_cvtepi32_epi8(_mm512_srli_epi32(t, 16)));
+  }
+}
+
+// Blocks [lo, hi), all whole. The codes of block j - 1 are encoded in the loop that decodes
+// and steps block j (its gathers from the code table then overlap the permutes).
+template <int64_t kind, bool amsgrad>
+ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const float* g,
+                                                   const QBuffer* in, const QBuffer* out,
+                                                   int64_t block, int64_t lo, int64_t hi) {
+  constexpr int64_t nstate = amsgrad ? 3 : 2;
+  const __m512 b1 = _mm512_set1_ps(sc.b1), omb1 = _mm512_set1_ps(sc.omb1);
+  const __m512 b2 = _mm512_set1_ps(sc.b2), omb2 = _mm512_set1_ps(sc.omb2);
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512i order = LaneOrder();
+  BookPlanes books[nstate];
+  for (int64_t s = 0; s < nstate; ++s) LoadPlanes(in[s].book, &books[s]);
+  alignas(64) float x[2][nstate][kRequantMaxBlock];  // [block parity][moment]
+  bool pending = false;  // block j - 1's codes are still to be written (from x[(j - 1) & 1])
+  __m512 inv[nstate];    // and the reciprocals of its scales
+  for (int64_t j = lo; j < hi; ++j) {
+    float (*cur)[kRequantMaxBlock] = x[j & 1];
+    float (*prev)[kRequantMaxBlock] = x[(j - 1) & 1];
+    const float* gj = g + j * block;
+    const uint8_t* code[nstate];
+    uint8_t* prev_code[nstate];
+    __m512 scale[nstate], amax[nstate];
+    for (int64_t s = 0; s < nstate; ++s) {
+      code[s] = in[s].codes + j * block;
+      prev_code[s] = out[s].codes + (j - 1) * block;
+      scale[s] = _mm512_set1_ps(in[s].scales[j]);
+      amax[s] = zero;
+    }
+    __mmask16 bad = 0;  // lanes where a new moment is NaN or infinite
+    for (int64_t i = 0; i < block; i += 64) {
+      for (int64_t q = 0; q < 4; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(gj + i + kRequantAhead + 16 * q), _MM_HINT_T0);
+      }
+      for (int64_t s = 0; s < nstate; ++s) {
+        _mm_prefetch(reinterpret_cast<const char*>(code[s] + i + kRequantAhead), _MM_HINT_T0);
+      }
+      __m512 y[nstate][4];
+      for (int64_t s = 0; s < nstate; ++s) QDecode64(books[s], order, code[s] + i, scale[s], y[s]);
+      for (int64_t q = 0; q < 4; ++q) {
+        const __m512 gi = _mm512_loadu_ps(gj + i + 16 * q);
+        y[0][q] = _mm512_add_ps(_mm512_mul_ps(b1, y[0][q]), _mm512_mul_ps(omb1, gi));
+        if (kind == kAdamax) {
+          // (|g| is NaN || |g| > b2 v) ? |g| : b2 v, as MomentRows
+          const __m512 decayed = _mm512_mul_ps(b2, y[1][q]);
+          const __m512 norm = _mm512_abs_ps(gi);
+          y[1][q] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(norm, decayed, _CMP_NLE_UQ), decayed, norm);
+        } else {
+          y[1][q] = _mm512_add_ps(_mm512_mul_ps(b2, y[1][q]),
+                                  _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
+          if (amsgrad) {  // (v is NaN || v > vmax) ? v : vmax
+            y[2][q] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(y[1][q], y[2][q], _CMP_NLE_UQ),
+                                           y[2][q], y[1][q]);
+          }
+        }
+        for (int64_t s = 0; s < nstate; ++s) {
+          bad |= _mm512_fpclass_ps_mask(y[s][q], 0x99);  // NaN, +inf, -inf
+          _mm512_store_ps(cur[s] + i + 16 * q, y[s][q]);
+          amax[s] = _mm512_max_ps(amax[s], _mm512_abs_ps(y[s][q]));
+        }
+      }
+      if (pending) {
+        RequantEncode64<false>(*out[0].search, prev[0] + i, inv[0], prev_code[0] + i);
+        for (int64_t s = 1; s < nstate; ++s) {
+          RequantEncode64<true>(*out[s].search, prev[s] + i, inv[s], prev_code[s] + i);
+        }
+      }
+    }
+    pending = bad == 0;
+    for (int64_t s = 0; s < nstate; ++s) {
+      if (!pending) {
+        EncodeBlock(out[s], block, j, block, cur[s]);
+        continue;
+      }
+      const float sj = std::max(_mm512_reduce_max_ps(amax[s]), kScaleFloor);
+      out[s].scales[j] = sj;
+      inv[s] = _mm512_set1_ps(1.0f / sj);
+    }
+  }
+  if (pending) {  // the last block's codes
+    for (int64_t s = 0; s < nstate; ++s) {
+      for (int64_t i = 0; i < block; i += 64) {
+        uint8_t* dst = out[s].codes + (hi - 1) * block + i;
+        if (s == 0) {
+          RequantEncode64<false>(*out[0].search, x[(hi - 1) & 1][0] + i, inv[0], dst);
+        } else {
+          RequantEncode64<true>(*out[s].search, x[(hi - 1) & 1][s] + i, inv[s], dst);
+        }
+      }
+    }
+  }
+}
+
+using RequantFastFn = void (*)(const Scalars&, const float*, const QBuffer*, const QBuffer*,
+                               int64_t, int64_t, int64_t);
+
+// The AVX-512 pass for this call, or nullptr (then RequantizeBlocks' general path).
+RequantFastFn PickRequantFast(int64_t kind, bool amsgrad, const QBuffer* out, int64_t nstate,
+                              int64_t block) {
+  if (!RequantHasAvx512() || block < 64 || block > kRequantMaxBlock) return nullptr;
+  for (int64_t s = 0; s < nstate; ++s) {
+    if (!out[s].search->fast()) return nullptr;
+  }
+  if (kind == kAdamax) return RequantizeBlocksAvx512<kAdamax, false>;
+  return amsgrad ? RequantizeBlocksAvx512<kAdamHat, true> : RequantizeBlocksAvx512<kAdamHat, false>;
+}
+#endif
+
+// Blocks [lo, hi) of a leaf of n elements: the old moments of block j from in[k] (codes,
+// scales, book), the new ones into out[k] (codes, scales, search).
+void RequantizeBlocks(MomentFn moments, const Scalars& k, const float* g, int64_t n,
+                      const QBuffer* in, const QBuffer* out, int64_t nstate, int64_t block,
+                      int64_t lo, int64_t hi) {
+  std::vector<float> scratch(static_cast<size_t>(nstate * block));
+  float* x[kMaxStateBuffers] = {nullptr, nullptr, nullptr};
+  for (int64_t s = 0; s < nstate; ++s) x[s] = scratch.data() + s * block;
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t e0 = j * block, c = std::min(block, n - e0);
+    for (int64_t s = 0; s < nstate; ++s) Decode(in[s], block, j, c, x[s]);
+    moments(k, g + e0, x[0], x[1], x[2], c);
+    for (int64_t s = 0; s < nstate; ++s) EncodeBlock(out[s], block, j, c, x[s]);
+  }
+}
+
+// Arguments: scalars (f32[9], the float32 step's; the moment rows read b1, 1-b1, b2,
+// 1-b2), the gradient g (float32, n elements, any shape), then per state buffer (first
+// moment, second moment or AdaMax's norm, AMSGrad's running maximum) its old codes (u8,
+// `block` per scale), scales (f32, one per block of g: ceil(n / block)), code book
+// (f32[256], sorted) and midpoints (f32[255]). Results: per state buffer its new codes and
+// scales, shaped as the old. Blocks are `block` consecutive elements of g in C order, the
+// last one padded (as adamkit/_quant.py lays out every leaf). Every buffer is checked
+// against its own size before any is read.
+ffi::Error Requantize(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
+                      ffi::Buffer<ffi::F32> grad, ffi::RemainingArgs args,
+                      ffi::RemainingRets rets, int64_t kind, bool amsgrad, int64_t state,
+                      int64_t block) {
+  auto bad = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("adamkit requantize: ") + what);
+  };
+  if (scalars.element_count() != 9) return bad("expected 9 scalars");
+  if (!ValidVariant(kind, false, kNoDecay, amsgrad, state)) {
+    return bad("unknown variant or state count");
+  }
+  if (block < 1 || block > kMaxBlock || (block & (block - 1)) != 0) {
+    return bad("the block size must be a power of two <= 2^20");
+  }
+  const int64_t nstate = state;
+  if (static_cast<int64_t>(args.size()) != 4 * nstate ||
+      static_cast<int64_t>(rets.size()) != 2 * nstate) {
+    return bad("expected 4 arguments (codes, scales, book, midpoints) and 2 results (codes, "
+               "scales) per state buffer");
+  }
+  const int64_t n = static_cast<int64_t>(grad.element_count());
+  const int64_t blocks = (n + block - 1) / block;
+  QBuffer in[kMaxStateBuffers], out[kMaxStateBuffers];
+  for (int64_t s = 0; s < nstate; ++s) {
+    auto codes = args.get<ffi::Buffer<ffi::U8>>(4 * s);
+    auto scales = args.get<ffi::Buffer<ffi::F32>>(4 * s + 1);
+    auto book = args.get<ffi::Buffer<ffi::F32>>(4 * s + 2);
+    auto mid = args.get<ffi::Buffer<ffi::F32>>(4 * s + 3);
+    auto codes_out = rets.get<ffi::Buffer<ffi::U8>>(2 * s);
+    auto scales_out = rets.get<ffi::Buffer<ffi::F32>>(2 * s + 1);
+    if (codes.has_error()) return codes.error();
+    if (scales.has_error()) return scales.error();
+    if (book.has_error()) return book.error();
+    if (mid.has_error()) return mid.error();
+    if (codes_out.has_error()) return codes_out.error();
+    if (scales_out.has_error()) return scales_out.error();
+    if (static_cast<int64_t>(scales->element_count()) != blocks ||
+        static_cast<int64_t>((*scales_out)->element_count()) != blocks) {
+      return bad("scales must be one per block of the gradient, results as the inputs");
+    }
+    if (static_cast<int64_t>(codes->element_count()) != blocks * block ||
+        static_cast<int64_t>((*codes_out)->element_count()) != blocks * block) {
+      return bad("codes must be `block` per scale, results as the inputs");
+    }
+    if (book->element_count() != kBook || mid->element_count() != kBook - 1) {
+      return bad("a code book is 256 values and 255 midpoints");
+    }
+    const float* values = book->typed_data();
+    for (int64_t i = 0; i < kBook; ++i) {
+      if (!std::isfinite(values[i])) return bad("a code book value is not finite");
+    }
+    in[s].quantized = out[s].quantized = true;
+    in[s].nonneg = out[s].nonneg = s > 0;
+    in[s].codes = codes->typed_data();
+    in[s].scales = scales->typed_data();
+    in[s].book = out[s].book = values;
+    out[s].codes = (*codes_out)->typed_data();
+    out[s].scales = (*scales_out)->typed_data();
+    out[s].search = SearchFor(mid->typed_data());
+    if (out[s].search == nullptr) return bad("the midpoints must be finite and sorted");
+  }
+  const MomentFn moments = PickMoments(kind, amsgrad);
+  const Scalars k = LoadScalars(scalars.typed_data());
+  const float* g = grad.typed_data();
+  const int64_t whole = n / block;  // the fast pass takes whole blocks only
+#ifdef ADAMKIT_AVX2
+  const RequantFastFn fast = PickRequantFast(kind, amsgrad, out, nstate, block);
+#else
+  const void* fast = nullptr;
+#endif
+  constexpr int64_t kMinPerChunk = 1 << 16;  // elements, as the float32 step
+  const int64_t per = std::max<int64_t>(kMinPerChunk, blocks * block / (4 * Threads(pool)));
+  ParallelFor(pool, blocks, (per + block - 1) / block,
+              [moments, fast, &k, g, n, whole, &in, &out, nstate, block](int64_t lo, int64_t hi) {
+                int64_t j = lo;
+#ifdef ADAMKIT_AVX2
+                if (fast != nullptr && j < std::min(hi, whole)) {
+                  fast(k, g, in, out, block, j, std::min(hi, whole));
+                  j = std::min(hi, whole);
+                }
+#endif
+                RequantizeBlocks(moments, k, g, n, in, out, nstate, block, j, hi);
+              });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuRequantize, Requantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<bool>("amsgrad")
+                                  .Attr<int64_t>("state")
+                                  .Attr<int64_t>("block"));

@@ -12,6 +12,7 @@ the second moment). Bias correction off (MindSpore ``AdamWeightDecay``) is ``bc1
 1`` in the scalars, not a variant. In :func:`dense_step_quantized` a state buffer may be
 :class:`Codes`: 8-bit codes and per-block scales, with the format's code book. In
 :func:`dense_step_rounded` the params (and Kahan buffers) are bfloat16, rounded in the pass.
+:func:`requantize` steps one leaf's :class:`Codes` moments alone (the chain form's new codes).
 """
 
 from __future__ import annotations
@@ -244,6 +245,36 @@ def dense_step_quantized(variant: Variant, s: jax.Array, params: Sequence[jax.Ar
       new_state.append(out[at])
       at += 1
   return list(out[:n]), tuple(new_state)
+
+
+def requantize(variant: Variant, s: jax.Array, g: jax.Array, state: tuple, *,
+               block: int) -> tuple:
+  """The new moments of one leaf, from its gradient ``g`` (float32) and its old moments
+  ``state`` (each :class:`Codes` in blocks of ``block`` consecutive elements of ``g``, the
+  last padded): the moment rows of ``variant`` (Adam's ``m``, ``v`` and, with AMSGrad,
+  ``max(vmax, v)``; AdaMax's ``m`` and norm), stored as :class:`Codes` again, in fresh
+  buffers (the old ones stay valid). No direction, no param: the chain form computes those
+  in XLA. ``s``: :func:`scalars` (the moment rows read ``b1, 1-b1, b2, 1-b2``)."""
+  _f32("the gradient", g)
+  _need(block >= 1 and block & (block - 1) == 0, f"block size {block} is not a power of two")
+  nstate = state_buffers(variant)
+  _need(len(state) == nstate and all(isinstance(b, Codes) for b in state),
+        f"expected {nstate} state buffers of 8-bit codes, got {len(state)}")
+  blocks = -(-g.size // block)
+  operands, outs = [s, g], []
+  for name, buf in zip(STATE_NAMES, state):
+    _check_codes(name, buf, blocks, 0, block)
+    _need(buf.scales.size == blocks, f"the {name} has {buf.scales.size} blocks, the gradient "
+          f"{blocks}")
+    operands += [buf.codes, buf.scales, jnp.asarray(buf.book, jnp.float32),
+                 jnp.asarray(buf.midpoints, jnp.float32)]
+    outs += [jax.ShapeDtypeStruct(buf.codes.shape, buf.codes.dtype),
+             jax.ShapeDtypeStruct(buf.scales.shape, buf.scales.dtype)]
+  call = jax.ffi.ffi_call("adamkit_cpu_requantize", outs, vmap_method="sequential")
+  out = call(*operands, kind=np.int64(KINDS[variant.kind]), amsgrad=bool(variant.amsgrad),
+             state=np.int64(nstate), block=np.int64(block))
+  return tuple(buf._replace(codes=out[2 * k], scales=out[2 * k + 1])
+               for k, buf in enumerate(state))
 
 
 def kernel_ids(ids: jax.Array) -> jax.Array:

@@ -15,7 +15,8 @@ from adamkit._cpu import build
 TARGETS = {"adamkit_cpu_step": "AdamkitCpuStep", "adamkit_cpu_sparse_lazy": "AdamkitCpuSparseLazy",
            "adamkit_cpu_row_add": "AdamkitCpuRowAdd",
            "adamkit_cpu_step_quantized": "AdamkitCpuStepQuantized",
-           "adamkit_cpu_step_rounded": "AdamkitCpuStepRounded"}
+           "adamkit_cpu_step_rounded": "AdamkitCpuStepRounded",
+           "adamkit_cpu_requantize": "AdamkitCpuRequantize"}
 
 _lock = threading.Lock()
 _found: dict[pathlib.Path, bool] = {}  # library path -> usable (looked up once per path)
