@@ -182,7 +182,7 @@ class _Rows:
     r, k = self.plan
     row_size = math.prod(self.row)
     strides = (k * row_size,) + tuple(math.prod(self.row[a + 1:]) for a in range(len(self.row)))
-    start = i.astype(jnp.uint32) * np.uint32(row_size % 2 ** 32)
+    start = jnp.asarray(i).astype(jnp.uint32) * np.uint32(row_size % 2 ** 32)
     return _quant.positions((r,) + self.row, start, strides)
 
 
