@@ -22,6 +22,11 @@ Here, inside ``shard_map``:
 Per step and device: about ``k / D`` rows of the table and moments read and written, no
 ``(N, dim)`` array.
 
+Quantized moments (:class:`adamkit._quant.QuantizedArray`, blocks within rows) are split
+by their codes and scales, which lead with the table's rows: step 2 gathers a row's codes
+and scales, dequantizes, steps, requantizes and scatters them back, the 4-bit dither keyed
+on the rows' global ids (``id * D + column``), so the codes are those of one device.
+
 Where the split comes from: on meshes with Explicit axes it is part of the arrays' type
 (``jax.typeof``), and a concrete array carries it. Inside a ``jit`` over Auto axes a
 traced array shows its mesh but not how it is split, so the optimizer records each
