@@ -35,7 +35,6 @@ takes bf16 params over float32 moments.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -445,7 +444,7 @@ def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
     m, v = state
     ids, u, m, v = _row_sharded.lazy_rows(
         g, m, v, layout, merge=merge, b1=h.b1, b2=h.b2, eps=h.eps, bc1=h.bc1, bc2=h.bc2,
-        eps_mode=h.kind, nesterov=h.nesterov)
+        eps_mode=h.kind, nesterov=h.nesterov, step=h.step)
     return ids, u, (m, v)
   if merge:
     g = g.coalesce()
@@ -471,19 +470,10 @@ def _put(table, ids, rows, step):
   (each row its own blocks; the 4-bit dither keyed on ``step`` and each element's position
   in the table, ``id * D + column``) and scatters their codes and scales."""
   if _quant.is_qarray(table):
-    pos = _row_positions(ids, rows.shape) if _quant.stochastic(table.fmt) else None
+    pos = _quant.row_positions(ids, rows.shape) if _quant.stochastic(table.fmt) else None
     new = _quant.quantize(rows, table.fmt, step=step, pos=pos)
     return _quant.put_rows(table, lambda x, r: scatter_rows(x, ids, r), new)
   return scatter_rows(table, ids, rows)
-
-
-def _row_positions(ids, shape: tuple) -> jax.Array:
-  """uint32 flat positions in the table of the rows ``ids`` (shape ``(k, *row)``):
-  ``id * prod(row) + the element's flat index in its row``."""
-  row = tuple(shape[1:])
-  in_row = _quant.positions(shape, 0, (0,) + tuple(math.prod(row[a + 1:]) for a in range(len(row))))
-  first = ids.astype(jnp.uint32) * np.uint32(math.prod(row) % 2 ** 32)
-  return in_row + first.reshape((-1,) + (1,) * len(row))
 
 
 def lazy_row_step(h: Hyper, p, g: RowSparse, state, *, at: Sequence[int | None] | None = None,
@@ -566,12 +556,15 @@ def _add_rows(p, ids, rows):
 def _row_layout(h: Hyper, state, at, split=None):
   """The row split of per-leaf Adam moments sharded over several devices (see
   :mod:`adamkit._row_sharded`), or ``None``: XLA's own partitioning then (flat
-  multi-tensor buffers, AdaMax, AMSGrad's third buffer and quantized moments are not
-  routed)."""
-  if h.kind == "adamax" or h.amsgrad or len(state) != 2 or any(a is not None for a in at) \
-     or any(_quant.is_qarray(x) for x in state):
+  multi-tensor buffers, AdaMax and AMSGrad's third buffer are not routed). A quantized
+  moment (blocks within rows, see :func:`_check_row_step`) is split by its codes and
+  scales, which lead with the table's rows."""
+  if h.kind == "adamax" or h.amsgrad or len(state) != 2 or any(a is not None for a in at):
     return None
-  return _row_sharded.step_layout(split, *state)
+  arrays = [y for x in state for y in ((x.codes, x.scales) if _quant.is_qarray(x) else (x,))]
+  if any(y.shape[:1] != state[0].shape[:1] for y in arrays):
+    return None
+  return _row_sharded.step_layout(split, *arrays)
 
 
 def _check_row_step(h: Hyper, g, state, table_shape, at):

@@ -648,6 +648,17 @@ def place_like(q: QuantizedArray, p: Any) -> QuantizedArray:
   return q
 
 
+def row_positions(ids: jax.Array, shape: tuple) -> jax.Array:
+  """uint32 flat positions in the table of the rows ``ids`` (global row numbers; shape
+  ``(k, *row)``): ``id * prod(row) + the element's flat index in its row``, the positions
+  that key the 4-bit dither of a table's rows wherever they are stored (one device, or the
+  shard that owns them)."""
+  row = tuple(shape[1:])
+  in_row = positions(shape, 0, (0,) + tuple(math.prod(row[a + 1:]) for a in range(len(row))))
+  first = ids.astype(jnp.uint32) * np.uint32(math.prod(row) % 2 ** 32)
+  return in_row + first.reshape((-1,) + (1,) * len(row))
+
+
 def take_rows(q: QuantizedArray, take) -> QuantizedArray:
   """The rows of a table moment that ``take`` selects: ``take`` (an op on the leading
   axis, a gather) is applied to the codes and the scales alike (see :func:`rows_apart`)."""

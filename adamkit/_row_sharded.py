@@ -22,6 +22,11 @@ Here, inside ``shard_map``:
 Per step and device: about ``k / D`` rows of the table and moments read and written, no
 ``(N, dim)`` array.
 
+Quantized moments (:class:`adamkit._quant.QuantizedArray`, blocks within rows) are split
+by their codes and scales, which lead with the table's rows: step 2 gathers a row's codes
+and scales, dequantizes, steps, requantizes and scatters them back, the 4-bit dither keyed
+on the rows' global ids (``id * D + column``), so the codes are those of one device.
+
 Where the split comes from: on meshes with Explicit axes it is part of the arrays' type
 (``jax.typeof``), and a concrete array carries it. Inside a ``jit`` over Auto axes a
 traced array shows its mesh but not how it is split, so the optimizer records each
@@ -43,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from adamkit import _adam
+from adamkit import _adam, _quant
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, _explicit_sharding, safe_ids
 from adamkit._tree import is_tracer
@@ -163,11 +168,37 @@ def _sorted_rows(g: RowSparse, merge: bool) -> tuple[jax.Array, jax.Array]:
   return ids[order], g.values[order]
 
 
-def lazy_rows(g: RowSparse, m: jax.Array, v: jax.Array, layout: RowLayout, *, merge: bool,
-              b1, b2, eps, bc1, bc2, eps_mode: str, nesterov: bool):
+def _gather(x, local):
+  """Rows ``local`` of a shard's moment (``n_local``: a zero fill), as stored or, for a
+  quantized moment, dequantized from the rows' codes and scales (float32)."""
+  take = lambda a: a.at[local].get(mode="fill", fill_value=0)  # noqa: E731
+  return _quant.dequantize(_quant.take_rows(x, take)) if _quant.is_qarray(x) else take(x)
+
+
+def _scatter(x, local, ids, rows, step):
+  """A shard's moment with ``rows`` written at ``local`` (``n_local``: dropped). A quantized
+  moment requantizes them as the one-device step does, the 4-bit dither keyed on ``step``
+  and the positions of the rows' global ``ids``: the same codes on any number of shards."""
+  put = lambda a, r: a.at[local].set(r.astype(a.dtype), mode="drop")  # noqa: E731
+  if not _quant.is_qarray(x):
+    return put(x, rows)
+  pos = _quant.row_positions(ids, rows.shape) if _quant.stochastic(x.fmt) else None
+  return _quant.put_rows(x, put, _quant.quantize(rows, x.fmt, step=step, pos=pos))
+
+
+def _with_rows(x, n: int):
+  """``x`` seen as a table of ``n`` rows: a quantized moment's static shape follows its
+  codes and scales into and out of ``shard_map`` (a plain array's shape is its own)."""
+  return dataclasses.replace(x, shape=(n, *x.shape[1:])) if _quant.is_qarray(x) else x
+
+
+def lazy_rows(g: RowSparse, m, v, layout: RowLayout, *, merge: bool, b1, b2, eps, bc1, bc2,
+              eps_mode: str, nesterov: bool, step=None):
   """:func:`adamkit._ops.lazy_rows` for row-sharded ``m, v``: each device updates the
-  rows it owns. Returns ``(ids, u_rows, m, v)``: sorted ids (padding ``num_rows``) and
-  their updates, replicated; ``m, v`` keep their sharding."""
+  rows it owns. ``m, v``: arrays, or :class:`adamkit._quant.QuantizedArray` whose codes
+  and scales lead with the table's rows (blocks within rows), split like them; ``step``
+  keys the 4-bit first moment's dither. Returns ``(ids, u_rows, m, v)``: sorted ids
+  (padding ``num_rows``) and their updates, replicated; ``m, v`` keep their sharding."""
   # Every device sees every id: a batch sharded over the mesh is all-gathered here.
   g = RowSparse.of(_replicated(g.indices, layout), _replicated(g.values, layout),
                    g.num_rows)
@@ -178,9 +209,13 @@ def lazy_rows(g: RowSparse, m: jax.Array, v: jax.Array, layout: RowLayout, *, me
     return ids, values.astype(dt), m, v
   cap = max(1, min(k, -(-2 * k // layout.num_shards)))
   axes = layout.axes if isinstance(layout.axes, tuple) else (layout.axes,)
+  num_rows = m.shape[0]
+  counts = () if step is None else (step,)  # None: the 4-bit dither's error stays quantize's
 
-  def per_device(ids, values, m, v, b1, b2, eps, bc1, bc2):
-    n_local = m.shape[0]
+  def per_device(ids, values, m, v, b1, b2, eps, bc1, bc2, *counts):
+    step = counts[0] if counts else None
+    n_local = num_rows // layout.num_shards
+    m, v = _with_rows(m, n_local), _with_rows(v, n_local)
     start = jax.lax.axis_index(axes) * n_local
     # This device's rows: the run [lo, hi) of the sorted ids.
     lo = jnp.searchsorted(ids, start.astype(ids.dtype))
@@ -192,14 +227,14 @@ def lazy_rows(g: RowSparse, m: jax.Array, v: jax.Array, layout: RowLayout, *, me
       at = jnp.minimum(first, k - cap)  # where dynamic_slice would clamp it anyway
       pos = at + jnp.arange(cap)
       mine = (pos >= first) & (pos < hi)
-      local = jnp.where(mine, jax.lax.dynamic_slice_in_dim(ids, at, cap) - start, n_local)
+      rows = jax.lax.dynamic_slice_in_dim(ids, at, cap)
+      local = jnp.where(mine, rows - start, n_local)
       g_rows = jax.lax.dynamic_slice_in_dim(values, at, cap).astype(dt)
       u_rows, m_rows, v_rows = _adam.adam_direction(
-          g_rows, m.at[local].get(mode="fill", fill_value=0).astype(dt),
-          v.at[local].get(mode="fill", fill_value=0).astype(dt),
+          g_rows, _gather(m, local).astype(dt), _gather(v, local).astype(dt),
           b1=b1, b2=b2, eps=eps, bc1=bc1, bc2=bc2, eps_mode=eps_mode, nesterov=nesterov)
-      m = m.at[local].set(m_rows.astype(m.dtype), mode="drop")
-      v = v.at[local].set(v_rows.astype(v.dtype), mode="drop")
+      m = _scatter(m, local, rows, m_rows, step)
+      v = _scatter(v, local, rows, v_rows, step)
       u = u.at[jnp.where(mine, pos, k)].set(u_rows, mode="drop")
       return u, m, v
 
@@ -208,13 +243,15 @@ def lazy_rows(g: RowSparse, m: jax.Array, v: jax.Array, layout: RowLayout, *, me
     # Usually one round; more only when this shard owns more than cap rows. A loop (not a
     # cond between sizes) keeps m and v updated in place.
     u, m, v = jax.lax.fori_loop(0, (hi - lo + cap - 1) // cap, one_round, (u, m, v))
-    return jax.lax.psum(u, axes), m, v  # each slot written by one device: exact
+    # each slot written by one device: the sum is exact
+    return jax.lax.psum(u, axes), _with_rows(m, num_rows), _with_rows(v, num_rows)
 
-  rows = _rows_spec(layout, m.ndim)
+  rows = PartitionSpec(layout.axes)  # the leading axis of every array of m and v
   rep = PartitionSpec()
-  step = jax.shard_map(per_device, mesh=layout.mesh, in_specs=(rep, rep, rows, rows) + (rep,) * 5,
-                       out_specs=(rep, rows, rows))
-  u, m, v = step(ids, values, m, v, b1, b2, eps, bc1, bc2)
+  step_fn = jax.shard_map(per_device, mesh=layout.mesh,
+                          in_specs=(rep, rep, rows, rows) + (rep,) * (5 + len(counts)),
+                          out_specs=(rep, rows, rows))
+  u, m, v = step_fn(ids, values, m, v, b1, b2, eps, bc1, bc2, *counts)
   return ids, u, m, v
 
 

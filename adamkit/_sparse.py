@@ -309,8 +309,9 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   as 0 and never reach a block's scale (``nonfinite="propagate"`` still carries a NaN
   gradient into the update).
 
-  **Row-sharded tables** (``P("rows", None)`` over several devices, float moments): each
-  device updates the touched rows it owns (see ``docs/scaling_out.md``). Under a ``jit``
+  **Row-sharded tables** (``P("rows", None)`` over several devices, float or quantized
+  moments, the codes and scales split by rows as ``init`` places them): each device
+  updates the touched rows it owns (see ``docs/scaling_out.md``). Under a ``jit``
   over Auto axes the arrays do not show their split, so ``init`` records it from the
   params it is given, in the state's tree structure (``row_splits``: a node per table, no
   arrays). Concrete or ``jax.ShapeDtypeStruct`` params with shardings record it;
