@@ -10,6 +10,7 @@ format and the step; and the XLA path against the kernel. Also the chain form's 
 eagerly (dequantize, the moment rows, quantize), bit for bit.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -184,8 +185,43 @@ class NumpyQuantizedAdamW:
 @pytest.mark.parametrize("multi_tensor", [True, False])
 def test_kernel_trajectory_is_the_numpy_replica_bit_for_bit(kernel, mu_dtype, nu_dtype, amsgrad,
                                                             multi_tensor):
-  params = shapes_params()
-  lr, wd, b1, b2, eps, steps = 0.01, 0.05, 0.9, 0.99, 1e-8, 6
+  _check_trajectory(shapes_params(), mu_dtype, nu_dtype, amsgrad, multi_tensor, steps=6)
+
+
+def test_kernel_trajectory_of_a_leaf_split_into_chunks(kernel):
+  """A leaf large enough that the kernel splits it into chunks run on several threads (and
+  not a whole number of blocks): the same trajectory, bit for bit."""
+  rng = np.random.default_rng(3)
+  params = {"w": jnp.asarray(rng.standard_normal((520, 631)), jnp.float32)}
+  _check_trajectory(params, Q8, Q8, False, False, steps=2)
+
+
+def test_kernel_trajectory_with_nonfinite_values(kernel):
+  """The vector pass meets NaN and +-inf gradients, gradients whose square overflows (an
+  infinite v beside a finite m) and a first moment whose stored scale is NaN (a damaged
+  state): it stores what is not finite as 0 and leaves it out of the scales, as the replica
+  (and _quant.encode_blocks) do, bit for bit."""
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)}
+  grads = grads_for(params, 4, seed=5)
+  bad = np.asarray(grads[1]["w"]).copy()
+  bad[0, 3], bad[1, 300], bad[2, 7], bad[3, 100], bad[4, 5] = np.nan, np.inf, -np.inf, 3e19, -3e19
+  grads[1] = {"w": jnp.asarray(bad)}
+
+  def damage(t, state, ref):
+    if t != 2:
+      return state
+    ref.state[("w", 0)][1][5] = np.nan  # block 5 of the flattened leaf
+    q = state.mu["w"]
+    scales = q.scales.reshape(-1).at[5].set(jnp.nan).reshape(q.scales.shape)
+    return state._replace(mu={"w": dataclasses.replace(q, scales=scales)})
+
+  _check_trajectory(params, Q8, Q8, False, False, steps=4, grads=grads, before_step=damage)
+
+
+def _check_trajectory(params, mu_dtype, nu_dtype, amsgrad, multi_tensor, steps, grads=None,
+                      before_step=None):
+  lr, wd, b1, b2, eps = 0.01, 0.05, 0.9, 0.99, 1e-8
   opt = ak.fused_adamw(lr, b1, b2, eps, weight_decay=wd, weight_decay_mask=None,
                        amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
                        multi_tensor=multi_tensor, backend="kernel")
@@ -194,15 +230,24 @@ def test_kernel_trajectory_is_the_numpy_replica_bit_for_bit(kernel, mu_dtype, nu
   step = jax.jit(opt.step, donate_argnums=(0, 1))
   state = opt.init(jax.tree.map(jnp.copy, params))
   p, np_p = jax.tree.map(jnp.copy, params), {k: np.asarray(v) for k, v in params.items()}
-  for t, g in enumerate(grads_for(params, steps)):
+  for t, g in enumerate(grads or grads_for(params, steps)):
+    if before_step is not None:
+      state = before_step(t, state, ref)
     bc1, bc2 = _adam.bias_corrections(b1, b2, jnp.asarray(t + 1, jnp.int32))
     scal = np.asarray(ffi.scalars("corrected", b1=b1, b2=b2, eps=eps, lr=lr, wd=wd, bc1=bc1,
                                   bc2=bc2))
     p, state = step(p, state, grads=g)
-    np_p = ref.step(np_p, {k: np.asarray(v) for k, v in g.items()}, scal[7], scal[8])
+    with np.errstate(over="ignore", invalid="ignore"):
+      np_p = ref.step(np_p, {k: np.asarray(v) for k, v in g.items()}, scal[7], scal[8])
     for k in params:
       np.testing.assert_array_equal(np.asarray(p[k]), np_p[k], err_msg=f"{k} step {t + 1}")
-  assert float(jnp.max(jnp.abs(p["a"] - params["a"]))) > 3 * lr  # it moved
+      for i, (moments, role) in enumerate(((state.mu, "mu"), (state.nu, "nu"))):
+        if ref.q[role] and not multi_tensor:  # the stored state too (a NaN p hides it)
+          codes, scales = ref.state[(k, i)]
+          np.testing.assert_array_equal(np.asarray(moments[k].codes).reshape(-1), codes.reshape(-1))
+          np.testing.assert_array_equal(np.asarray(moments[k].scales).reshape(-1), scales)
+  big = max(params, key=lambda k: params[k].size)
+  assert float(jnp.max(jnp.abs(p[big] - params[big]))) > steps * lr / 2  # it moved
 
 
 # --------------------------------------------------- the state, both backends
