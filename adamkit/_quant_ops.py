@@ -198,10 +198,9 @@ def _strided(moments, g, olds, rows: _Rows, count) -> list:
     ocs = [_quant.decode_blocks(*map(take, x), o.fmt).reshape(gc.shape) if _quant.is_qarray(o)
            else take(x).astype(gc.dtype) for o, x in zip(olds, ins)]
     news = moments(gc, *ocs)
-    pos = rows.positions(i)
     return [None if out is None else tuple(
         lax.dynamic_update_index_in_dim(a, x, i, 1)
-        for a, x in zip(out, _encode(n, o.fmt, count, pos)))
+        for a, x in zip(out, _encode(n, o.fmt, count, lambda: rows.positions(i))))
         for out, n, o in zip(outs, news, olds)]
 
   fresh = [tuple(map(jnp.zeros_like, x)) if _quant.is_qarray(o) else None
@@ -235,8 +234,8 @@ def _contiguous(moments, g, olds, block: int, count) -> list:
       if _quant.is_qarray(o):
         b = o.fmt.block_size
         nw = jnp.pad(nw, (0, -length % b)) if length % b else nw
-        pos = _quant.positions(nw.shape, jnp.asarray(lo).astype(jnp.uint32))
-        out.append(_encode(nw, o.fmt, count, pos))
+        out.append(_encode(nw, o.fmt, count, lambda nw=nw: _quant.positions(
+            nw.shape, jnp.asarray(lo).astype(jnp.uint32))))
       else:
         out.append(None)
     return out
@@ -268,11 +267,13 @@ def _blocked(x: jax.Array, block: int) -> jax.Array:
   return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
 
 
-def _encode(x: jax.Array, fmt, count, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _encode(x: jax.Array, fmt, count, positions: Callable) -> tuple[jax.Array, jax.Array]:
   """Codes and scales of a chunk ``x`` of whole blocks (its last axis), its elements at
-  flat positions ``pos`` (``x``'s shape) of the leaf."""
+  flat positions ``positions()`` (``x``'s shape) of the leaf, built only for a format
+  that reads them (the 4-bit first moment's dither)."""
   b = fmt.block_size
-  return _quant.encode_blocks(_blocked(x, b), fmt, step=count, pos=_blocked(pos, b))
+  pos = _blocked(positions(), b) if _quant.stochastic(fmt) else None
+  return _quant.encode_blocks(_blocked(x, b), fmt, step=count, pos=pos)
 
 
 # --------------------------------------------------------------- init and state checks
