@@ -105,3 +105,27 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(group):
       if i not in keep:
         item.add_marker(pytest.mark.slow)
+
+
+# ------------------------------------------------------------------ background jobs
+
+
+def pytest_collection_finish(session):
+  """Starts the long subprocess jobs (tests/background.py) of the modules that have
+  selected tests, so that they run beside the rest of the suite."""
+  if session.config.option.collectonly:
+    return
+  import background
+  jobs = []
+  for item in session.items:
+    job = getattr(getattr(item, "module", None), "BACKGROUND", None)
+    if job is not None and job not in jobs:
+      jobs.append(job)
+  for job in jobs:
+    background.submit(job)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  import background
+  background.stop()
+

@@ -8,7 +8,8 @@ dense step with 8-bit quantized moments, the chain form's requantization of 8-bi
 (``adamw``, ``adam(amsgrad=True)``, ``adamax``), the rounded dense step on bf16 params
 (``param_rounding``), and each kernel called directly past the Python checks) with
 adversarial inputs, in a
-subprocess with AddressSanitizer preloaded. Passes when the subprocess reports zero
+subprocess with AddressSanitizer preloaded (built and run in the background from the end
+of collection on, beside the rest of the suite: tests/background.py). Passes when the subprocess reports zero
 sanitizer errors and no row of a table or moment that no valid id addresses has changed.
 Skipped, with the reason, only where no C++ compiler (or no ASan runtime) exists.
 """
@@ -17,10 +18,13 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
+import background
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEADLINE_S = 900  # the build and the driver: about 3 minutes beside the suite
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -33,32 +37,39 @@ def _runtime(cxx: str, name: str) -> str | None:
   return out if os.path.isabs(out) and os.path.exists(out) else None
 
 
-@pytest.fixture(scope="module")
-def sanitized_kernel(tmp_path_factory):
+def _build_and_drive():
+  """Builds the sanitizer kernel and runs the driver on it in a subprocess: ``(reason,
+  None)`` where it cannot be built here, else ``(None, the finished driver)``."""
   from adamkit._cpu import build
   cxx = os.environ.get("CXX", "c++")
   asan, stdcxx = _runtime(cxx, "libasan.so"), _runtime(cxx, "libstdc++.so")
   if asan is None or stdcxx is None:
-    pytest.skip(f"no C++ compiler with an AddressSanitizer runtime ({cxx!r})")
-  out = tmp_path_factory.mktemp("asan") / "libadamkit_asan.so"
-  try:
-    build.build_cpu_kernel(out, compiler=cxx, sanitize=True)
-  except RuntimeError as e:
-    pytest.skip(f"cannot build the sanitizer kernel here: {e}")
-  # libstdc++ preloaded with ASan: its __cxa_throw interceptor needs the real one resolved
-  # before jaxlib (which throws while it starts) is loaded.
-  return out, f"{asan} {stdcxx}"
+    return f"no C++ compiler with an AddressSanitizer runtime ({cxx!r})", None
+  with tempfile.TemporaryDirectory(prefix="adamkit-asan-") as tmp:
+    library = pathlib.Path(tmp) / "libadamkit_asan.so"
+    try:
+      build.build_cpu_kernel(library, compiler=cxx, sanitize=True)
+    except RuntimeError as e:
+      return f"cannot build the sanitizer kernel here: {e}", None
+    # libstdc++ preloaded with ASan: its __cxa_throw interceptor needs the real one
+    # resolved before jaxlib (which throws while it starts) is loaded.
+    env = dict(os.environ, ADAMKIT_CPU_KERNEL=str(library), LD_PRELOAD=f"{asan} {stdcxx}",
+               PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    env.pop("XLA_FLAGS", None)  # one device: "auto" picks the kernel too
+    return None, background.run([sys.executable, __file__], env=env, cwd=ROOT,
+                                timeout=DEADLINE_S)
 
 
-def test_kernels_under_address_and_undefined_behaviour_sanitizers(sanitized_kernel):
-  library, preload = sanitized_kernel
-  env = dict(os.environ, ADAMKIT_CPU_KERNEL=str(library), LD_PRELOAD=preload,
-             PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-             ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1",
-             UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
-  env.pop("XLA_FLAGS", None)  # one device: "auto" picks the kernel too
-  done = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
-                        text=True, timeout=900)
+# Started when collection ends, beside the rest of the suite (tests/background.py).
+BACKGROUND = _build_and_drive
+
+
+def test_kernels_under_address_and_undefined_behaviour_sanitizers():
+  reason, done = background.result(BACKGROUND, timeout=2 * DEADLINE_S)
+  if reason is not None:
+    pytest.skip(reason)
   log = done.stdout + done.stderr
   assert "AddressSanitizer" not in log and "runtime error:" not in log, log[-6000:]
   assert done.returncode == 0, log[-6000:]
