@@ -17,8 +17,15 @@ as medians:
 * torchao ``AdamW8bit`` and bitsandbytes ``AdamW8bit``, on CPU (the ``bench`` extra).
 
 Every JAX step is jitted with params and state donated, ``block_until_ready`` inside the
-timing. The machine is shared: the absolute times move with its load, the interleaved
-ratios much less; run with enough repeats.
+timing; ``optax.adamw`` and the chain form run again with the params donated and the state
+not. The chain form is faster that way: with the state donated, its new codes must land in
+the old codes' buffers while the direction (fused into ``apply_updates``, which ``update``
+cannot order before the kernel) still reads them, so XLA first copies the old codes into a
+temporary buffer, which on CPU is mapped afresh (page-faulted) at every call. Without the
+state donated, the new codes go to fresh output buffers and nothing is copied; optax's
+float32 state, which XLA updates in place when donated, goes the other way. The machine
+is shared: the absolute times move with its load, the interleaved ratios much less; run
+with enough repeats.
 
 Memory of the chain form (printed after the table): the persistent state in bytes per
 parameter, and the XLA temporaries of the jitted update + apply_updates
@@ -66,11 +73,12 @@ SHAPE = (4096, 4096)
 REFERENCE = "torch AdamW fused f32"
 
 
-def jax_runner(step, params, state, grads, kernel=True):
-  """``step`` jitted with params and state donated (``kernel=False``: compiled with the
-  chain form's kernel turned off, its XLA loop instead)."""
+def jax_runner(step, params, state, grads, kernel=True, donate=(0, 1)):
+  """``step`` jitted with params and state donated (``donate=(0,)``: params only;
+  ``kernel=False``: compiled with the chain form's kernel turned off, its XLA loop
+  instead)."""
   params = jax.tree.map(jnp.copy, params)
-  fn = jax.jit(step, donate_argnums=(0, 1))
+  fn = jax.jit(step, donate_argnums=donate)
   if not kernel:
     with mock.patch.object(_quant_ops, "_on_kernel", lambda *a: False):
       fn = fn.lower(params, state, grads).compile()
@@ -89,9 +97,9 @@ def optax_step(tx):
   return step
 
 
-def optax_runner(tx, params, grads, kernel=True):
+def optax_runner(tx, params, grads, kernel=True, donate=(0, 1)):
   p = jax.tree.map(jnp.copy, params)
-  return jax_runner(optax_step(tx), p, tx.init(p), grads, kernel)
+  return jax_runner(optax_step(tx), p, tx.init(p), grads, kernel, donate)
 
 
 def chain_memory(tx, params) -> dict:
@@ -167,6 +175,13 @@ def main():
   chain = ak.adamw(LR, B1, B2, EPS, weight_decay=WD, weight_decay_mask=None,
                    mu_dtype="8bit", nu_dtype="8bit")
   runners['ak.adamw(mu_dtype="8bit", nu_dtype="8bit") chain'] = optax_runner(chain, params, grads)
+  # The same two steps with the params donated and the state not: XLA then writes the new
+  # state into fresh buffers (optax: 8 bytes per parameter; the chain: its new codes, 2),
+  # and the chain's direction reads the old codes where they are (no copy, see the docstring)
+  runners["optax.adamw f32, state not donated"] = optax_runner(
+      optax.adamw(LR, B1, B2, EPS, weight_decay=WD), params, grads, donate=(0,))
+  runners["ak.adamw 8bit chain, state not donated"] = optax_runner(chain, params, grads,
+                                                                   donate=(0,))
   if args.chain_xla:
     runners["ak.adamw 8bit chain, XLA loop (no kernel)"] = optax_runner(chain, params, grads,
                                                                         kernel=False)
