@@ -327,6 +327,25 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad, want
                          "floating-point array of its param's shape.")
 
 
+def _check_quantized_rows(name: str, p, stores_of, multi_tensor: bool) -> None:
+  """A lazy row step on a table with quantized moments reads and writes the touched rows'
+  own blocks: each row must be whole blocks (per leaf, or one block per row), else a
+  ``ValueError`` names the leaf, the block, the row and the ways out."""
+  shape = tuple(np.shape(p))
+  row = int(np.prod(shape[1:], dtype=np.int64))
+  for store in (of(p) for of in stores_of):
+    if not isinstance(store, _quant.Format) or _quant.rows_in_blocks(shape, store.block_size) or (
+        not multi_tensor and _quant.rows_apart(shape, store)):
+      continue
+    raise ValueError(
+        f"'{name}' of shape {shape} has a RowSparse gradient and {store.kind} moments in "
+        f"blocks of {store.block_size}, which span its rows of {row} elements: a lazy row "
+        "step updates the touched rows' own blocks only. Pass a block size that divides the "
+        f"row (ak.Quantized({store.kind!r}, block_size=...), a power of two), lazy=False (the "
+        "rows densified, every row moves), or use ak.sparse_adam / ak.sparse_adamw (one "
+        "scale per row when the block does not divide it).")
+
+
 def _keep_shardings(new: list, old: list, multi_tensor: bool) -> list:
   """Each new leaf sharded as its input leaf was. A flat moment buffer is laid out by XLA,
   and a slice of it would lend its sharding to the leaf computed from it (a replicated
@@ -428,11 +447,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
           decay = False
         if not lazy:
           g = g.todense(like=p)
-        elif any(isinstance(of(p), _quant.Format) for of in (mu_of, nu_of)):
-          raise NotImplementedError(
-              f"The fused step's lazy row step does not take quantized moments yet ('{name}' "
-              "has a RowSparse gradient): pass lazy=False (its rows densified), keep this "
-              "table's moments in float (a larger min_size), or use ak.sparse_adam.")
+        else:
+          _check_quantized_rows(name, p, (mu_of, nu_of), multi_tensor)
       out.append(_Leaf(name, p, g, decay, *m_slot, *v_slot))
     return out
 
