@@ -327,6 +327,25 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad, want
                          "floating-point array of its param's shape.")
 
 
+def _check_quantized_rows(name: str, p, stores_of, multi_tensor: bool) -> None:
+  """A lazy row step on a table with quantized moments reads and writes the touched rows'
+  own blocks: each row must be whole blocks (per leaf, or one block per row), else a
+  ``ValueError`` names the leaf, the block, the row and the ways out."""
+  shape = tuple(np.shape(p))
+  row = int(np.prod(shape[1:], dtype=np.int64))
+  for store in (of(p) for of in stores_of):
+    if not isinstance(store, _quant.Format) or _quant.rows_in_blocks(shape, store.block_size) or (
+        not multi_tensor and _quant.rows_apart(shape, store)):
+      continue
+    raise ValueError(
+        f"'{name}' of shape {shape} has a RowSparse gradient and {store.kind} moments in "
+        f"blocks of {store.block_size}, which span its rows of {row} elements: a lazy row "
+        "step updates the touched rows' own blocks only. Pass a block size that divides the "
+        f"row (ak.Quantized({store.kind!r}, block_size=...), a power of two), lazy=False (the "
+        "rows densified, every row moves), or use ak.sparse_adam / ak.sparse_adamw (one "
+        "scale per row when the block does not divide it).")
+
+
 def _keep_shardings(new: list, old: list, multi_tensor: bool) -> list:
   """Each new leaf sharded as its input leaf was. A flat moment buffer is laid out by XLA,
   and a slice of it would lend its sharding to the leaf computed from it (a replicated
@@ -428,11 +447,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
           decay = False
         if not lazy:
           g = g.todense(like=p)
-        elif any(isinstance(of(p), _quant.Format) for of in (mu_of, nu_of)):
-          raise NotImplementedError(
-              f"The fused step's lazy row step does not take quantized moments yet ('{name}' "
-              "has a RowSparse gradient): pass lazy=False (its rows densified), keep this "
-              "table's moments in float (a larger min_size), or use ak.sparse_adam.")
+        else:
+          _check_quantized_rows(name, p, (mu_of, nu_of), multi_tensor)
       out.append(_Leaf(name, p, g, decay, *m_slot, *v_slot))
     return out
 
@@ -659,7 +675,9 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
   (MindSpore ``FusedSparseLazyAdam``; decay per occurrence of a touched row): on one CPU
   device one kernel call merges the ids and reads and writes each touched row of the table
   and of both moments once, in place, so the step costs ``O(k)`` for ``k`` ids whatever the
-  table size. ``lazy=False`` densifies it (``FusedSparseAdam``: every row moves).
+  table size (quantized moments: XLA gathers and scatters the touched rows' codes and
+  scales, see ``nu_dtype``). ``lazy=False`` densifies it (``FusedSparseAdam``: every row
+  moves).
 
   Also an ``optax.GradientTransformation`` over the same state: ``update(grads, state,
   params)`` returns :math:`-\alpha_t u_t` computed as :func:`adam` computes it (plain JAX;
@@ -704,8 +722,15 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       bytes per parameter instead of 28) with the codes of the XLA path bit for bit;
       ``"4bit"`` and ``"fp8"`` run on XLA. In multi-tensor mode the quantized leaves share
       one flat buffer of codes (each leaf from a block's start) keyed by the kind; leaves
-      under ``min_size`` keep float32 moments. A lazy row-sparse leaf does not take
-      quantized moments yet (``NotImplementedError``; ``lazy=False`` densifies it).
+      under ``min_size`` keep float32 moments. A lazy row-sparse table takes quantized
+      moments when each of its rows is whole blocks (a block size dividing the row, per
+      leaf or in the flat buffer; per leaf also one block per row): the step gathers the
+      touched rows' codes and scales, dequantizes, steps and requantizes them (the 4-bit
+      dither at the table's positions ``row * D + column``) and scatters them back, in XLA,
+      ``O(k)``; untouched rows keep their codes and scales bit for bit, and the numbers are
+      :func:`sparse_adam`'s with the same format. A block spanning rows is a
+      ``ValueError`` naming the leaf (a smaller block, ``lazy=False`` or
+      :func:`sparse_adam`, which takes one block per row then).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
       ``use_multi_tensor``); ``False``: state shaped like the params (and sharded like
@@ -742,7 +767,8 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
 
   Raises:
     ValueError: an unknown ``param_rounding``, a ``seed`` without
-      ``param_rounding="stochastic"`` or outside ``[0, 2**64)``.
+      ``param_rounding="stochastic"`` or outside ``[0, 2**64)``; at ``step`` / ``update``,
+      a lazy ``RowSparse`` leaf whose quantized moments' blocks span its rows.
     TypeError: a ``seed`` that is not an int or a key; at ``step``, a state of another
       ``param_rounding`` or of none.
 
@@ -823,8 +849,10 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
 
   A gradient leaf may be a :class:`adamkit.RowSparse`: with ``lazy=True`` only its rows
   move, as in :func:`sparse_adamw` + :func:`apply_updates` (each touched row decays once
-  per step, rows not looked up do not decay), in one kernel call on one CPU device;
-  ``lazy=False`` densifies it (every row moves and decays).
+  per step, rows not looked up do not decay), in one kernel call on one CPU device (with
+  quantized moments: in XLA, the touched rows' codes and scales only, when the block
+  divides the row; see :func:`fused_adam`'s ``nu_dtype``); ``lazy=False`` densifies it
+  (every row moves and decays).
 
   Also an ``optax.GradientTransformation`` (``update``, :func:`adamw`'s numbers; see
   :func:`fused_adam`).
@@ -855,7 +883,8 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
       a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``;
       see :func:`adamkit.scale_by_adam`).
     nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
-      params' dtype), as ``mu_dtype``.
+      params' dtype), as ``mu_dtype`` (a lazy row-sparse table's quantized moments: see
+      :func:`fused_adam`).
     multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
       runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
       ``use_multi_tensor``); ``False``: state shaped like the params (and sharded like

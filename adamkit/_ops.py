@@ -22,9 +22,12 @@ new value quantized; the kernel does both per block in its one pass ("8bit" only
 4-bit first moment's dither is keyed on :attr:`Hyper.step` and each element's flat
 position in its leaf (from 0 for every leaf of a flat buffer too).
 
-A table's own moment may also be stored quantized (blocks within rows): the lazy row
-step then reads and writes the touched rows' codes and scales, always in XLA; an
-element's position is ``row * D + column`` in the table of rows of ``D`` elements.
+A table's moment may also be stored quantized, in its own array (blocks within rows) or
+in a flat buffer whose rows are whole blocks (the leaf starts a block, and a row's
+elements are a multiple of the block): the lazy row step then gathers and scatters the
+touched rows' codes and scales only (by row in the table's own array, by block number
+in a flat one), always in XLA; an element's position is ``row * D + column`` in the table
+of rows of ``D`` elements, wherever the table is stored.
 
 The rounded steps (:func:`rounded_dense_step`, :func:`rounded_lazy_row_step`) take bf16 or
 fp16 params, compute in float32 and write them back rounded by a :class:`Rounding`
@@ -449,31 +452,46 @@ def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
   if merge:
     g = g.coalesce()
   ids = safe_ids(g.indices, g.num_rows)
-  tables = [view(buf, a, table_shape) for buf, a in zip(state, at)]
   dt = compute_dtype(g.values)
-  u, *rows = direction(h, g.values.astype(dt), *(_take(t, ids).astype(dt) for t in tables))
-  state = tuple(put(buf, a, _put(t, ids, r, h.step))
-                for buf, a, t, r in zip(state, at, tables, rows))
+  olds = [_take(buf, a, table_shape, ids).astype(dt) for buf, a in zip(state, at)]
+  u, *rows = direction(h, g.values.astype(dt), *olds)
+  state = tuple(_put(buf, a, table_shape, ids, r, h.step) for buf, a, r in zip(state, at, rows))
   return ids, u, state
 
 
-def _take(table, ids):
-  """The rows ``ids`` of a table's moment, as stored or dequantized (float32): a quantized
-  moment gathers the rows' codes and scales only."""
-  if _quant.is_qarray(table):
-    return _quant.dequantize(_quant.take_rows(table, lambda x: gather_rows(x, ids)))
-  return gather_rows(table, ids)
+def _take(buf, at: int | None, table_shape: tuple, ids):
+  """The rows ``ids`` of a table's moment held in ``buf`` (from ``at``), as stored or
+  dequantized (float32): a quantized moment gathers the rows' codes and scales only."""
+  if not _quant.is_qarray(buf):
+    return gather_rows(view(buf, at, table_shape), ids)
+  if at is None and _quant.rows_apart(buf.shape, buf.fmt):
+    return _quant.dequantize(_quant.take_rows(buf, lambda x: gather_rows(x, ids)))
+  rows = _quant.take_blocks(buf, _row_blocks(buf, at, table_shape, ids),
+                            (ids.shape[0], *table_shape[1:]))
+  return _quant.dequantize(rows)
 
 
-def _put(table, ids, rows, step):
-  """``table`` with ``rows`` written at ``ids``; a quantized moment requantizes the rows
-  (each row its own blocks; the 4-bit dither keyed on ``step`` and each element's position
-  in the table, ``id * D + column``) and scatters their codes and scales."""
-  if _quant.is_qarray(table):
-    pos = _quant.row_positions(ids, rows.shape) if _quant.stochastic(table.fmt) else None
-    new = _quant.quantize(rows, table.fmt, step=step, pos=pos)
-    return _quant.put_rows(table, lambda x, r: scatter_rows(x, ids, r), new)
-  return scatter_rows(table, ids, rows)
+def _put(buf, at: int | None, table_shape: tuple, ids, rows, step):
+  """``buf`` with the table's ``rows`` written at ``ids``; a quantized moment requantizes
+  the rows (each row its own blocks; the 4-bit dither keyed on ``step`` and each element's
+  position in the table, ``id * D + column``, wherever the table lies) and scatters their
+  codes and scales, nothing else of the buffer."""
+  if not _quant.is_qarray(buf):
+    return put(buf, at, scatter_rows(view(buf, at, table_shape), ids, rows))
+  pos = _quant.row_positions(ids, rows.shape) if _quant.stochastic(buf.fmt) else None
+  new = _quant.quantize(rows, buf.fmt, step=step, pos=pos)
+  if at is None and _quant.rows_apart(buf.shape, buf.fmt):
+    return _quant.put_rows(buf, lambda x, r: scatter_rows(x, ids, r), new)
+  return _quant.put_blocks(buf, _row_blocks(buf, at, table_shape, ids), new)
+
+
+def _row_blocks(buf, at: int | None, table_shape: tuple, ids):
+  """The block numbers of the rows ``ids`` of a table whose moment lies in the quantized
+  ``buf`` from element ``at`` (a multi-tensor buffer; ``None``: its own array), its rows
+  whole blocks (see :func:`_check_row_step`)."""
+  block = buf.fmt.block_size
+  return _quant.row_blocks(ids, table_shape, block, (at or 0) // block,
+                           int(np.prod(buf.scales.shape, dtype=np.int64)))
 
 
 def lazy_row_step(h: Hyper, p, g: RowSparse, state, *, at: Sequence[int | None] | None = None,
@@ -572,13 +590,18 @@ def _check_row_step(h: Hyper, g, state, table_shape, at):
   at = (None,) * len(state) if at is None else tuple(at)
   check_rows(g, table_shape)
   for buf, a, name in zip(state, at, STATE_NAMES):
-    if _quant.is_qarray(buf) and (a is not None or not _quant.rows_apart(buf.shape, buf.fmt)):
+    if not _quant.is_qarray(buf):
+      check_moments(buf, a, table_shape, name)
+      continue
+    _check_quantized(buf, a, table_shape, name)
+    if not (a is None and _quant.rows_apart(buf.shape, buf.fmt)
+            or _quant.rows_in_blocks(tuple(table_shape), buf.fmt.block_size)):
       raise ValueError(
           f"The quantized {name} of a {tuple(table_shape)} table has blocks of "
-          f"{buf.fmt.block_size} elements spanning several rows: a lazy row step needs each "
-          "row's own blocks (a table of at least 2 dimensions, as ak.sparse_adam lays it "
-          "out, in its own array), or a float moment.")
-    check_moments(buf, a, table_shape, name)
+          f"{buf.fmt.block_size} elements spanning several rows of "
+          f"{int(np.prod(table_shape[1:], dtype=np.int64))}: a lazy row step needs each row's "
+          "own blocks (a table of at least 2 dimensions whose rows are whole blocks, or one "
+          "block per row, as ak.sparse_adam lays it out), or a float moment.")
   return state, at
 
 

@@ -670,3 +670,50 @@ def put_rows(q: QuantizedArray, put, rows: QuantizedArray) -> QuantizedArray:
   """``q`` with ``rows`` (from :func:`take_rows`, then updated) written back by ``put(x,
   new)`` (an op on the leading axis, a scatter) into the codes and the scales alike."""
   return QuantizedArray(put(q.codes, rows.codes), put(q.scales, rows.scales), q.shape, q.fmt)
+
+
+def rows_in_blocks(shape: tuple, block: int) -> bool:
+  """Whether each row of a table of ``shape`` (at least 2-D) is whole blocks of ``block``
+  elements: ``prod(shape[1:])`` a multiple of the block. Laid out from a block's start (its
+  own array, or a multi-tensor buffer), no block then spans two rows, and row ``r`` is the
+  blocks ``r * R/B`` to ``(r + 1) * R/B - 1`` of the table (see :func:`row_blocks`)."""
+  row = math.prod(shape[1:])
+  return len(shape) >= 2 and row > 0 and row % block == 0
+
+
+def row_blocks(ids: jax.Array, shape: tuple, block: int, first: int, total: int) -> jax.Array:
+  """The block numbers, ``(k, R/B)``, of the rows ``ids`` (safe ids: an id outside the
+  table is ``shape[0]``) of a table of ``shape`` whose rows are whole blocks
+  (:func:`rows_in_blocks`), stored from block ``first`` of a run of ``total`` blocks:
+  ``first + id * R/B + j``. An id outside the table maps to ``total``, past the last
+  block, which :func:`take_blocks` reads as zeros and :func:`put_blocks` skips."""
+  per_row = math.prod(shape[1:]) // block
+  dt = jnp.int32 if total < 2**31 else jnp.int64
+  ids = ids.astype(dt)
+  blocks = first + ids[:, None] * per_row + jnp.arange(per_row, dtype=dt)
+  return jnp.where((ids < shape[0])[:, None], blocks, jnp.asarray(total, dt))
+
+
+def take_blocks(q: QuantizedArray, blocks: jax.Array, shape: tuple) -> QuantizedArray:
+  """The blocks numbered ``blocks`` of ``q`` (its codes and scales read as one run of
+  blocks, whatever its shape), as the :class:`QuantizedArray` of ``shape`` they hold
+  (whole blocks, C order): a gather of their codes and scales only. A number past the last
+  block reads as zeros."""
+  lead = blocked_shape(tuple(shape), q.fmt.block_size)[:-1]
+  at = blocks.reshape(-1)
+  codes = q.codes.reshape(-1, q.codes.shape[-1]).at[at].get(mode="fill", fill_value=0)
+  scales = q.scales.reshape(-1).at[at].get(mode="fill", fill_value=0)
+  return QuantizedArray(codes.reshape(lead + codes.shape[-1:]), scales.reshape(lead),
+                        tuple(shape), q.fmt)
+
+
+def put_blocks(q: QuantizedArray, blocks: jax.Array, new: QuantizedArray) -> QuantizedArray:
+  """``q`` with the codes and scales of ``new`` (from :func:`take_blocks`, then updated)
+  written into its blocks numbered ``blocks``, a scatter (in place when ``q`` is donated);
+  a number past the last block is skipped."""
+  at = blocks.reshape(-1)
+  width = q.codes.shape[-1]
+  codes = q.codes.reshape(-1, width).at[at].set(new.codes.reshape(-1, width), mode="drop")
+  scales = q.scales.reshape(-1).at[at].set(new.scales.reshape(-1), mode="drop")
+  return QuantizedArray(codes.reshape(q.codes.shape), scales.reshape(q.scales.shape), q.shape,
+                        q.fmt)

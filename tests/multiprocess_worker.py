@@ -124,6 +124,12 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
       r = np.asarray(r.astype(jnp.float32) if r.dtype == jnp.bfloat16 else r)
       for shard in x.addressable_shards:
         got = np.asarray(shard.data.astype(jnp.float32) if x.dtype == jnp.bfloat16 else shard.data)
+        if x.dtype == jnp.uint8:
+          # quantized codes: a moment that the mesh's float32 rounding moves across a
+          # level's boundary takes the neighbouring code; the scales and params are held
+          # to the float tolerances, and a wrong step would change most codes
+          assert np.mean(got != r[shard.index]) <= 0.01, np.mean(got != r[shard.index])
+          continue
         np.testing.assert_allclose(got, r[shard.index], rtol=rtol, atol=atol)
 
   # The mesh run splits the batch and hidden reductions over devices, so its gradients

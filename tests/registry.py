@@ -18,6 +18,7 @@ import adamkit as ak
 Q8 = ak.Quantized("8bit", block_size=64, min_size=0)
 Q4 = ak.Quantized("4bit", block_size=64, min_size=0)
 QF = ak.Quantized("fp8", block_size=64, min_size=0)
+Q8_ROWS = ak.Quantized("8bit", block_size=2, min_size=0)  # divides the sparse suites' rows
 
 # name -> factory(learning_rate) of every optimizer the shared properties must hold for.
 REGISTRY = {
@@ -94,6 +95,10 @@ REGISTRY = {
     # quantized too), multi-tensor (flat code buffers)
     "fused_adamw_8bit": lambda lr: ak.fused_adamw(
         lr, mu_dtype=ak.Quantized("8bit", min_size=0), nu_dtype=ak.Quantized("8bit", min_size=0)),
+    # and its lazy row step on a table with quantized moments: the sparse suites' tables
+    # have rows of 2 elements, so blocks of 2 (each row whole blocks of the flat buffer;
+    # blocks of 256 span rows, and fused_adamw_8bit refuses a RowSparse with a ValueError)
+    "fused_adamw_8bit_rows": lambda lr: ak.fused_adamw(lr, mu_dtype=Q8_ROWS, nu_dtype=Q8_ROWS),
     # issue 19: quantized moments. The suites' leaves are small (72 elements at most), so
     # min_size=0 and blocks of 64 put every leaf through the quantized step (padded blocks).
     "adam_8bit": lambda lr: ak.adam(lr, mu_dtype=Q8, nu_dtype=Q8),
@@ -129,12 +134,12 @@ QUANTIZED = tuple(n for n in NAMES if any(k in n for k in ("8bit", "4bit", "fp8"
 NO_LR_RECORD = ("fused_adam", "fused_adam_per_leaf", "fused_adamax", "master_weights_fused_adam",
                 "fused_adamw", "fused_adam_amsgrad_per_leaf", "fused_adamw_amsgrad",
                 "offload_fused_adam_state", "offload_fused_adamax_compute", "fused_adamw_8bit",
-                "fused_adamw_bf16_kahan")
+                "fused_adamw_bf16_kahan", "fused_adamw_8bit_rows")
 # - multi-tensor moments are flat buffers (one per dtype), which cannot take a param's
 #   sharding: the params keep theirs, the buffers are laid out by XLA.
 FLAT_STATE = ("fused_adam", "fused_adamax", "master_weights_fused_adam", "fused_adamw",
               "fused_adamw_amsgrad", "offload_fused_adam_state", "fused_adamw_8bit",
-              "fused_adamw_bf16_kahan")
+              "fused_adamw_bf16_kahan", "fused_adamw_8bit_rows")
 
 # The entries that take RowSparse gradients (the others refuse them with a TypeError).
 SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_sparse_adam_state",
@@ -143,7 +148,7 @@ SPARSE = ("sparse_adam", "sparse_adam_dense_rows", "sparse_adam_full", "offload_
           "master_weights_fused_adam", "fused_adamw", "fused_adam_amsgrad_per_leaf",
           "fused_adamw_amsgrad", "offload_fused_adam_state", "sparse_adam_8bit",
           "sparse_adam_4bit_full", "sparse_adamw_8bit", "offload_sparse_adam_8bit_state",
-          "fused_adamw_bf16_kahan")
+          "fused_adamw_bf16_kahan", "fused_adamw_8bit_rows")
 
 # Their gradient accumulation: optax.MultiSteps cannot take a RowSparse (its accumulator is
 # zeros_like(params)); ak.multi_steps keeps k * n ids and rows per table instead. The same
