@@ -1,13 +1,15 @@
 """Long subprocess jobs of the suite, started when collection ends and run beside it.
 
-The two-process runs (tests/test_multiprocess.py) and the sanitizer build and run
-(tests/test_sanitizer.py) spend minutes in child processes, while the main pytest process
-mostly compiles on one core. A test module names its job in a module-level ``BACKGROUND``
-(a function of no argument, run in a worker thread, returning what its fixture needs);
-``pytest_collection_finish`` in conftest.py submits the jobs of the modules that have
-selected tests, one at a time in order, and the module's fixture takes the result with
-:func:`result` (running the job in place when it was not submitted, e.g. a module
-imported on its own). Every child process is started through :func:`popen`, so that
+The two-process runs (tests/test_multiprocess.py), the sanitizer build and run
+(tests/test_sanitizer.py) and the documentation site with its math typeset in a browser
+(tests/test_docs_build.py) spend minutes in child processes, while the main pytest process
+mostly compiles on one core. A test module names its jobs in a module-level
+``BACKGROUND``: a function of no argument, run in a worker thread, returning what its
+fixture needs (the job of every test of the module), or a dict of such functions to the
+names of the tests that use each. ``pytest_collection_finish`` in conftest.py submits the
+jobs of the selected tests, one at a time in the order of the tests, and the fixture takes
+the result with :func:`result` (running the job in place when it was not submitted, e.g.
+a module imported on its own). Every child process is started through :func:`popen`, so that
 :func:`stop` (at the end of the session, a failure or ``-x`` included) kills what is
 still running instead of leaving the interpreter waiting on it.
 """

@@ -118,9 +118,11 @@ def pytest_collection_finish(session):
   import background
   jobs = []
   for item in session.items:
-    job = getattr(getattr(item, "module", None), "BACKGROUND", None)
-    if job is not None and job not in jobs:
-      jobs.append(job)
+    bg = getattr(getattr(item, "module", None), "BACKGROUND", None)
+    # a job of every test of the module, or {job: the names of the tests that use it}
+    for job, names in ({bg: None} if callable(bg) else bg or {}).items():
+      if job not in jobs and (names is None or getattr(item, "originalname", None) in names):
+        jobs.append(job)
   for job in jobs:
     background.submit(job)
 

@@ -6,7 +6,9 @@ input error" on the site. These tests read every tracked text file and every doc
 for control characters, then build the site and let a headless browser typeset its math.
 """
 
+import atexit
 import importlib
+import importlib.util
 import json
 import pathlib
 import pkgutil
@@ -14,7 +16,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
+import background
 import pytest
 
 import adamkit
@@ -93,17 +97,60 @@ def test_no_control_characters_in_docstrings():
 # ------------------------------------------------------------------------- the built site
 
 
+def _build_site():
+  """The site built as CI builds it (warnings are errors) into a temporary folder, removed
+  when the tests end: ``(folder, None)``, or ``(None, why)`` where it cannot be built
+  here (``"skip: ..."``) or the build failed."""
+  for module in ("sphinx", "myst_parser", "furo"):
+    if importlib.util.find_spec(module) is None:
+      return None, f"skip: {module} is not installed"
+  out = pathlib.Path(tempfile.mkdtemp(prefix="adamkit-site-"))
+  atexit.register(shutil.rmtree, out, ignore_errors=True)
+  done = background.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
+                         "html", str(ROOT / "docs"), str(out)], timeout=900)
+  return (out, None) if done.returncode == 0 else (None, done.stderr[-4000:])
+
+
+def _typeset():
+  """Each page with math of the site, rendered by a headless browser: ``(errors,
+  untypeset pages)``, or a ``"skip: ..."`` reason (or the build's error) instead."""
+  site, failed = background.result(_build_site, timeout=1800)
+  if site is None:
+    return failed
+  browser = _browser()
+  if browser is None:
+    return "skip: no headless chromium to run MathJax in"
+  if not (site / "_static" / "mathjax").is_dir():
+    return "skip: MathJax is not served with the site (sphinx-mathjax-offline is not installed)"
+  errors, untypeset = {}, []
+  for page in math_pages(site):
+    dom = background.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          "--virtual-time-budget=15000", page.as_uri()], timeout=120).stdout
+    name = str(page.relative_to(site))
+    if "<mjx-container" not in dom:
+      untypeset.append(name)
+    if hits := re.findall(r'<mjx-merror[^>]*>|data-mjx-error="[^"]*"', dom):
+      errors[name] = hits
+  return errors, untypeset
+
+
+# Built (and typeset) in the background from the end of collection on (tests/background.py).
+BACKGROUND = {_build_site: {"test_built_pages_have_no_control_characters",
+                            "test_mathjax_typesets_every_formula"},
+              _typeset: {"test_mathjax_typesets_every_formula"}}
+
+
+def _skip_or_fail(why: str):
+  if why.startswith("skip: "):
+    pytest.skip(why[len("skip: "):])
+  pytest.fail(f"the documentation did not build:\n{why}")
+
+
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-  """The site built as CI builds it (warnings are errors) into a temporary folder."""
-  pytest.importorskip("sphinx")
-  pytest.importorskip("myst_parser")
-  pytest.importorskip("furo")
-  out = tmp_path_factory.mktemp("html")
-  done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-                         str(ROOT / "docs"), str(out)], capture_output=True, text=True,
-                        timeout=900)
-  assert done.returncode == 0, done.stderr[-4000:]
+def site():
+  out, why = background.result(_build_site, timeout=1800)
+  if out is None:
+    _skip_or_fail(why)
   return out
 
 
@@ -127,23 +174,12 @@ def _browser():
 
 
 @pytest.mark.slow
-def test_mathjax_typesets_every_formula(site):
+def test_mathjax_typesets_every_formula():
   """Each page with math, rendered by a headless browser: MathJax ran and reported no error
   (an error shows as "Math input error" on the page)."""
-  browser = _browser()
-  if browser is None:
-    pytest.skip("no headless chromium to run MathJax in")
-  if not (site / "_static" / "mathjax").is_dir():
-    pytest.skip("MathJax is not served with the site (sphinx-mathjax-offline is not installed)")
-  errors, untypeset = {}, []
-  for page in math_pages(site):
-    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                          "--virtual-time-budget=15000", page.as_uri()],
-                         capture_output=True, text=True, timeout=120).stdout
-    name = str(page.relative_to(site))
-    if "<mjx-container" not in dom:
-      untypeset.append(name)
-    if hits := re.findall(r'<mjx-merror[^>]*>|data-mjx-error="[^"]*"', dom):
-      errors[name] = hits
+  found = background.result(_typeset, timeout=1800)
+  if isinstance(found, str):
+    _skip_or_fail(found)
+  errors, untypeset = found
   assert not errors, f"MathJax errors: {errors}"
   assert not untypeset, f"MathJax did not typeset these pages: {untypeset}"

@@ -74,7 +74,8 @@ def _two_processes() -> list[dict]:
     return [json.loads((out / f"result_{i}.json").read_text()) for i in range(2)]
 
 
-BACKGROUND = _two_processes
+BACKGROUND = {_two_processes: {"test_trains_like_one_device", "test_params_keep_their_shardings",
+                                "test_checkpoints_across_processes"}}
 
 
 @pytest.fixture(scope="module")
