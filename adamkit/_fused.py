@@ -462,13 +462,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     lr = _schedules.scalar_or_schedule(lr_schedule, state.count)
     wd = _schedules.scalar_or_schedule(weight_decay, state.count)
     count = optax.safe_increment(state.count)
-    if bias_correction:
-      bc1, bc2 = _adam.bias_corrections(b1, b2, count)
-    else:
-      bc1 = bc2 = jnp.ones([], jnp.float32)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    hyper = _ops.Hyper(kind, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, lr=f32(lr),
-                       wd=f32(wd), amsgrad=amsgrad, decoupled=decoupled, step=count)
+    hyper = _ops.Hyper.of(kind, nesterov, b1, b2, eps, count, bias_correction=bias_correction,
+                          lr=lr, wd=wd, amsgrad=amsgrad, decoupled=decoupled)
     # The moment buffers by key (a dtype name in multi-tensor mode, else the leaf's index):
     # m, v and, with AMSGrad, v's running maximum, which is laid out as v.
     trees = (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
@@ -885,20 +880,10 @@ def fused_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
     nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
       params' dtype), as ``mu_dtype`` (a lazy row-sparse table's quantized moments: see
       :func:`fused_adam`).
-    multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
-      runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
-      ``use_multi_tensor``); ``False``: state shaped like the params (and sharded like
-      them), one kernel call per leaf of at least 32K elements (smaller leaves: XLA).
-      Params sharded on a mesh with Explicit axes need ``False``.
-    backend: ``"auto"`` (default: the kernel, when built, for float32 leaves computed on
-      one CPU device; XLA otherwise, e.g. for params sharded over several devices, whose
-      shardings XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it
-      cannot take or known to span several devices) or ``"xla"`` (pure JAX). The rule:
-      ``docs/backend.md``.
-    lazy: a ``RowSparse`` gradient moves its rows only (default ``True``) or is
-      densified (``False``: every row moves).
-    unique_ids: the caller guarantees no repeated id in a ``RowSparse`` gradient: skip the
-      merge (default ``False``; as in :func:`sparse_adam`).
+    multi_tensor, backend, lazy, unique_ids: as in :func:`fused_adam` (one flat buffer per
+      moment storage, default ``True``; ``"auto"``, ``"kernel"`` or ``"xla"``; a
+      ``RowSparse`` gradient moves its rows only, default ``True``; skip merging repeated
+      ids, default ``False``).
     param_rounding: bf16/fp16 params without a float32 master copy (default ``None``), and
       ``seed``: as in :func:`fused_adam`.
 
@@ -971,16 +956,8 @@ def fused_adamax(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
       a quantized format (:class:`adamkit.Quantized`, ``"8bit"``, ``"4bit"``, ``"fp8"``;
       see :func:`adamkit.scale_by_adam`).
     nu_dtype: storage of the infinity norm (default: the params' dtype), as ``mu_dtype``.
-    multi_tensor: keep the moments of all leaves of a dtype in one flat buffer and update
-      runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
-      ``use_multi_tensor``); ``False``: state shaped like the params (and sharded like
-      them), one kernel call per leaf of at least 32K elements (smaller leaves: XLA).
-      Params sharded on a mesh with Explicit axes need ``False``.
-    backend: ``"auto"`` (default: the kernel, when built, for float32 leaves computed on
-      one CPU device; XLA otherwise, e.g. for params sharded over several devices, whose
-      shardings XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it
-      cannot take or known to span several devices) or ``"xla"`` (pure JAX). The rule:
-      ``docs/backend.md``.
+    multi_tensor, backend: as in :func:`fused_adam` (one flat buffer per moment storage,
+      default ``True``; ``"auto"``, ``"kernel"`` or ``"xla"``).
 
   Returns:
     A :class:`FusedStep` (``init``, ``update``, ``step``), state :class:`FusedAdamaxState`.

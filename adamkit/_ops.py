@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from adamkit import _backend, _quant, _rounding, _row_sharded
-from adamkit._adam import adam_direction, amsgrad_direction
+from adamkit._adam import adam_direction, amsgrad_direction, bias_corrections
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, gather_rows, safe_ids, scatter_rows
@@ -71,6 +71,20 @@ class Hyper(NamedTuple):
   # int32 scalar: the step count t of the moments this step stores (1 at the first step),
   # which keys the 4-bit first moment's dither; None where no moment is stored quantized
   step: jax.Array | None = None
+
+  @classmethod
+  def of(cls, kind: str, nesterov: bool, b1, b2, eps, count: jax.Array, *,
+         bias_correction: bool = True, **rest) -> Hyper:
+    """The step of count ``count`` (int32, 1 at the first step): float32 ``b1, b2, eps``,
+    the bias corrections ``1 - b**count`` (1 without ``bias_correction``) and
+    ``step=count``; ``rest``: the other fields (``lr`` and ``wd`` made float32)."""
+    if bias_correction:
+      bc1, bc2 = bias_corrections(b1, b2, count)
+    else:
+      bc1 = bc2 = jnp.ones([], jnp.float32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    rest.update({k: f32(rest[k]) for k in ("lr", "wd") if k in rest})
+    return cls(kind, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, step=count, **rest)
 
 
 STATE_NAMES = ("first moment", "second moment", "running maximum of the second moment")

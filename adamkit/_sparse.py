@@ -340,11 +340,9 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
       ``unique=False``): skip the merge. With repeated ids the lazy result is then
       unspecified (one of the duplicates wins, or each is applied in turn), though never
       outside the repeated rows.
-    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
-      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
-      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
-      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
-      byte; ``"fp8"``). The arithmetic is always float32 or wider.
+    mu_dtype: storage of the first moment (default: the params' dtype), a float dtype or a
+      quantized format (``"8bit"``, ``"4bit"``, ``"fp8"``, :class:`adamkit.Quantized`), as
+      in :func:`adamkit.scale_by_adam`; the arithmetic is always float32 or wider.
     nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
       params' dtype), as ``mu_dtype``. A quantized format keeps a table's blocks within its
       rows, so the lazy step reads and writes only the touched rows' codes and scales.
@@ -406,13 +404,8 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     leaf_view = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.nu,
                              is_leaf=_quant.is_qarray)
     count = optax.safe_increment(state.count)
-    if bias_correction:
-      bc1, bc2 = _adam.bias_corrections(b1, b2, count)
-    else:
-      bc1 = bc2 = jnp.ones([], jnp.float32)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    h = _ops.Hyper(eps_mode, nesterov, f32(b1), f32(b2), f32(eps), bc1, bc2, amsgrad=amsgrad,
-                   step=count)
+    h = _ops.Hyper.of(eps_mode, nesterov, b1, b2, eps, count, bias_correction=bias_correction,
+                      amsgrad=amsgrad)
 
     def leaf(name, g, split, *olds):  # olds: (m, v) or (m, v, v_max)
       for x, what, (fmt, role) in zip(olds, _ops.STATE_NAMES, fmts):
@@ -496,17 +489,13 @@ def sparse_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0
       merges duplicates first.
     groups: parameter groups (default ``None``), as in :func:`adamkit.adam`
       (``grad_centralization`` is refused for a sparse optimizer).
-    unique_ids: skip merging duplicate ids (default ``False``; the caller guarantees
-      there are none).
+    unique_ids: skip merging duplicate ids (default ``False``), as in
+      :func:`scale_by_sparse_adam`.
     nonfinite: ``"propagate"`` (default) or ``"skip"``, as in :func:`adamkit.adam`.
-    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
-      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
-      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
-      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
-      byte; ``"fp8"``). The arithmetic is always float32 or wider.
-    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
-      params' dtype), as ``mu_dtype``. A quantized format keeps a table's blocks within its
-      rows, so the lazy step reads and writes only the touched rows' codes and scales.
+    mu_dtype: storage of the first moment (default: the params' dtype), a float dtype or
+      a quantized format (``"8bit"``, ``"4bit"``, ``"fp8"``, :class:`adamkit.Quantized`),
+      as in :func:`scale_by_sparse_adam`.
+    nu_dtype: storage of the second moment and of the AMSGrad maximum, as ``mu_dtype``.
     backend: ``"auto"`` (default), ``"kernel"`` or ``"xla"``, see
       :func:`scale_by_sparse_adam`; pass the same to :func:`adamkit.apply_updates`. For
       the fastest step (the table updated in the same pass as its moments) see
@@ -630,19 +619,10 @@ def sparse_adamw(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 
     amsgrad: divide by the running maximum of the raw :math:`v` (default ``False``), moved
       on the touched rows only in lazy mode.
     loss_scale: gradients are divided by it first, > 0 (default 1.0).
-    unique_ids: skip merging duplicate ids (default ``False``; the caller guarantees
-      there are none).
-    nonfinite: ``"propagate"`` (default) or ``"skip"``, as in :func:`adamkit.adam`.
-    mu_dtype: storage of the first moment (default: the params' dtype): a float dtype
-      (e.g. ``jnp.bfloat16`` to halve its memory) or a quantized format,
-      :class:`adamkit.Quantized` or its kind alone (``"8bit"``: bitsandbytes'/torchao's
-      block-wise format, 1 byte per parameter plus a scale per block; ``"4bit"``: half a
-      byte; ``"fp8"``). The arithmetic is always float32 or wider.
-    nu_dtype: storage of the second moment and of the AMSGrad maximum (default: the
-      params' dtype), as ``mu_dtype``. A quantized format keeps a table's blocks within its
-      rows, so the lazy step reads and writes only the touched rows' codes and scales.
-    backend: ``"auto"`` (default), ``"kernel"`` or ``"xla"``, see
-      :func:`scale_by_sparse_adam`.
+    unique_ids, nonfinite, mu_dtype, nu_dtype, backend: as in :func:`sparse_adam` (skip
+      merging duplicate ids; ``"propagate"`` or ``"skip"`` a step with a NaN/Inf gradient;
+      the moments' storage, a float dtype or a quantized format; where the lazy row step
+      runs).
 
   Returns:
     An ``optax.GradientTransformation``.
