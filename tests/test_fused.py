@@ -153,6 +153,28 @@ def test_without_donation_inputs_are_untouched(kernel):
   assert float(jnp.max(jnp.abs(new_state.nu["float32"]))) > 0
 
 
+@pytest.mark.parametrize("block", [None, 256, 32])  # 32: the quantized AVX2 loop
+def test_adamax_nonfinite_gradients_kernel_equals_xla(kernel, block):
+  """AdaMax's norm ``max(b2 v, |g|)`` keeps a NaN of either side, as ``jnp.maximum`` does
+  on XLA: the kernel's state and params equal XLA's after a NaN / Inf gradient and a
+  finite step after it (float32 moments: NaN where XLA has NaN; 8-bit: stored as 0)."""
+  n = 4 * 8192  # a kernel-sized leaf: every vector lane and the scalar tail
+  params = {"w": jnp.linspace(-1.0, 1.0, n + 5, dtype=jnp.float32)}
+  bad = jnp.ones(n + 5).at[3].set(jnp.nan).at[700].set(-jnp.inf).at[n + 4].set(jnp.nan)
+  fmt = ak.Quantized("8bit", block_size=block, min_size=0) if block else None
+  out = {}
+  for backend in ("kernel", "xla"):
+    opt = ak.fused_adamax(1e-2, multi_tensor=False, backend=backend, mu_dtype=fmt, nu_dtype=fmt)
+    p, s = opt.step(params, opt.init(params), grads={"w": bad})
+    p, s = opt.step(p, s, grads={"w": jnp.full(n + 5, 0.5)})
+    out[backend] = jax.tree.map(np.asarray, (p, s))
+  for a, b in zip(jax.tree.leaves(out["kernel"]), jax.tree.leaves(out["xla"])):
+    np.testing.assert_array_equal(a, b)
+  nu = out["xla"][1].nu["w"]
+  if block is None:  # the NaNs are really there (the comparison above is not vacuous)
+    assert np.isnan(nu[3]) and np.isnan(nu[n + 4]) and np.isinf(nu[700]), nu[[3, 700, n + 4]]
+
+
 def test_mixed_dtypes_take_the_jax_path_for_low_precision_leaves(kernel):
   params = make_params()
   params["dense"]["kernel"] = params["dense"]["kernel"].astype(jnp.bfloat16)

@@ -79,7 +79,9 @@ inline __attribute__((always_inline)) void Update(const Scalars& k, float gi, fl
   float vi;
   float u;
   if (kind == kAdamax) {
-    vi = std::max(k.b2 * v, std::fabs(gi));
+    // max(b2 v, |g|) with a NaN of either side kept, as jnp.maximum in the XLA step
+    const float decayed = k.b2 * v, norm = std::fabs(gi);
+    vi = (norm != norm || norm > decayed) ? norm : decayed;
     u = mi / (k.c1 * (vi + k.eps));
   } else {
     vi = k.b2 * v + k.omb2 * (gi * gi);
@@ -1247,9 +1249,13 @@ __attribute__((target("avx2"), always_inline)) inline void QStep8(const Scalars8
   const __m256 mi = _mm256_add_ps(_mm256_mul_ps(k.b1, m), _mm256_mul_ps(k.omb1, g));
   __m256 vi, u;
   if (kind == kAdamax) {
-    // std::max(b2 * v, |g|): the first operand unless the second is larger (NaN: the first).
+    // max(b2 v, |g|) with a NaN of either side kept, as Step's scalar rule: |g| where it is
+    // NaN or larger, else b2 v (NaN included)
     const __m256 abs_g = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g);
-    vi = _mm256_max_ps(abs_g, _mm256_mul_ps(k.b2, v));
+    const __m256 decayed = _mm256_mul_ps(k.b2, v);
+    const __m256 take_g = _mm256_or_ps(_mm256_cmp_ps(abs_g, decayed, _CMP_GT_OQ),
+                                       _mm256_cmp_ps(abs_g, abs_g, _CMP_UNORD_Q));
+    vi = _mm256_blendv_ps(decayed, abs_g, take_g);
     u = _mm256_div_ps(mi, _mm256_mul_ps(k.c1, _mm256_add_ps(vi, k.eps)));
   } else {
     vi = _mm256_add_ps(_mm256_mul_ps(k.b2, v), _mm256_mul_ps(k.omb2, _mm256_mul_ps(g, g)));
@@ -1400,8 +1406,12 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QStep16(const Scalars1
   const __m512 mi = _mm512_add_ps(_mm512_mul_ps(k.b1, m), _mm512_mul_ps(k.omb1, g));
   __m512 vi, u;
   if (kind == kAdamax) {
+    // max(b2 v, |g|) with a NaN of either side kept (Step's scalar rule)
     const __m512 abs_g = _mm512_andnot_ps(_mm512_set1_ps(-0.0f), g);
-    vi = _mm512_max_ps(abs_g, _mm512_mul_ps(k.b2, v));
+    const __m512 decayed = _mm512_mul_ps(k.b2, v);
+    const __mmask16 take_g = _mm512_cmp_ps_mask(abs_g, decayed, _CMP_GT_OQ) |
+                             _mm512_cmp_ps_mask(abs_g, abs_g, _CMP_UNORD_Q);
+    vi = _mm512_mask_blend_ps(take_g, decayed, abs_g);
     u = _mm512_div_ps(mi, _mm512_mul_ps(k.c1, _mm512_add_ps(vi, k.eps)));
   } else {
     vi = _mm512_add_ps(_mm512_mul_ps(k.b2, v), _mm512_mul_ps(k.omb2, _mm512_mul_ps(g, g)));
