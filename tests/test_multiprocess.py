@@ -80,7 +80,7 @@ BACKGROUND = {_two_processes: {"test_trains_like_one_device", "test_params_keep_
 
 @pytest.fixture(scope="module")
 def results():
-  return background.result(BACKGROUND, timeout=2 * DEADLINE_S)
+  return background.result(_two_processes, timeout=2 * DEADLINE_S)
 
 
 def _cases():

@@ -67,7 +67,7 @@ BACKGROUND = _build_and_drive
 
 
 def test_kernels_under_address_and_undefined_behaviour_sanitizers():
-  reason, done = background.result(BACKGROUND, timeout=2 * DEADLINE_S)
+  reason, done = background.result(_build_and_drive, timeout=2 * DEADLINE_S)
   if reason is not None:
     pytest.skip(reason)
   log = done.stdout + done.stderr
