@@ -16,7 +16,11 @@ except (AttributeError, RuntimeError):  # older JAX, or backend already up
   pass
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+import functools  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -105,15 +109,26 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(group):
       if i not in keep:
         item.add_marker(pytest.mark.slow)
+  if not WORKER:  # the files a second pytest runs go last here (a stable sort)
+    items.sort(key=lambda item: item.path.name in WORKER_FILES)
 
 
 # ------------------------------------------------------------------ background jobs
 
 
+# Whole files run by a second pytest process beside this one (the last job of the
+# background lane): their items here wait for its outcome and report it. They are the
+# largest registry products; the rest of the suite runs meanwhile.
+WORKER_FILES = {"test_composition.py"}
+WORKER = os.environ.get("ADAMKIT_TEST_WORKER")  # in that second process: its report file
+_REPORTS: dict[str, dict] = {}
+
+
 def pytest_collection_finish(session):
   """Starts the long subprocess jobs (tests/background.py) of the modules that have
-  selected tests, so that they run beside the rest of the suite."""
-  if session.config.option.collectonly:
+  selected tests, then the second pytest for the selected tests of WORKER_FILES, so that
+  they run beside the rest of the suite."""
+  if session.config.option.collectonly or WORKER:
     return
   import background
   jobs = []
@@ -123,11 +138,60 @@ def pytest_collection_finish(session):
     for job, names in ({bg: None} if callable(bg) else bg or {}).items():
       if job not in jobs and (names is None or getattr(item, "originalname", None) in names):
         jobs.append(job)
+  theirs = [item for item in session.items if item.path.name in WORKER_FILES]
+  if theirs and len(theirs) < len(session.items):  # else nothing would run beside it
+    job = functools.partial(_second_pytest, session.config.rootpath,
+                            tuple(item.nodeid for item in theirs))
+    for item in theirs:
+      item.runtest = functools.partial(_replay, item, job)
+    jobs.append(job)
   for job in jobs:
     background.submit(job)
 
 
+def _second_pytest(root: pathlib.Path, nodeids: tuple) -> tuple[dict, str]:
+  """Runs ``nodeids`` in a second pytest: ``({nodeid: outcome}, the end of its output)``."""
+  import background
+  with tempfile.TemporaryDirectory(prefix="adamkit-worker-") as tmp:
+    report = pathlib.Path(tmp) / "report.json"
+    done = background.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *nodeids], cwd=root, timeout=3600,
+                          env=dict(os.environ, ADAMKIT_TEST_WORKER=str(report)))
+    outcomes = json.loads(report.read_text()) if report.exists() else {}
+  return outcomes, (done.stdout[-6000:] + done.stderr[-3000:])
+
+
+def _replay(item, job) -> None:
+  """``item``'s outcome in the second pytest, as this item's."""
+  import background
+  outcomes, log = background.result(job, timeout=3600)
+  got = outcomes.get(item.nodeid)
+  if got is None:
+    pytest.fail(f"the second pytest did not report {item.nodeid}:\n{log}", pytrace=False)
+  if got["outcome"] == "skipped":
+    pytest.skip(got["text"])
+  if got["outcome"] == "failed":
+    pytest.fail(f"(in the second pytest)\n{got['text']}", pytrace=False)
+
+
+def pytest_runtest_logreport(report):
+  """In the second pytest: each test's outcome, for the first one to report."""
+  if not WORKER:
+    return
+  got = _REPORTS.setdefault(report.nodeid, {"outcome": "passed", "text": ""})
+  if report.failed:
+    got["outcome"] = "failed"
+    got["text"] += f"[{report.when}]\n{report.longreprtext}\n"
+  elif report.skipped and got["outcome"] == "passed":
+    got["outcome"] = "skipped"
+    got["text"] = (report.longrepr[2] if isinstance(report.longrepr, tuple)
+                   else str(report.longrepr))
+
+
 def pytest_sessionfinish(session, exitstatus):
+  if WORKER:
+    pathlib.Path(WORKER).write_text(json.dumps(_REPORTS))
+    return
   import background
   background.stop()
 
