@@ -205,10 +205,10 @@ class _Leaf(NamedTuple):
 def _storage(p, fmt, role: str):
   """How the ``role`` ("mu" or "nu") moment of leaf ``p`` is stored, given ``mu_dtype``
   or ``nu_dtype`` as :func:`adamkit._quant.as_format` made it: a dtype, or a
-  :class:`adamkit._quant.Format` (a quantized leaf of at least ``min_size`` elements;
-  smaller ones keep float32)."""
+  :class:`adamkit._quant.Format` (where :meth:`adamkit.Quantized.quantizes` says so; other
+  leaves keep float32)."""
   if _quant.is_quantized(fmt):
-    if int(np.prod(np.shape(p))) >= fmt.min_size:
+    if fmt.quantizes(np.shape(p), role):
       return _quant.resolve(fmt, role)
     return jnp.dtype(jnp.float32)
   return jnp.dtype(fmt if fmt is not None else p.dtype)

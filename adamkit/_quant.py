@@ -92,7 +92,11 @@ class Quantized:
 
   A leaf with fewer than ``min_size`` elements keeps a float32 moment (the scales would
   cost more than they save). A leaf whose size is not a multiple of the block is padded
-  to whole blocks: the last block's padding is zeros, never read back. When the last axis
+  to whole blocks (``pad=True``, the default, as bitsandbytes): the last block's padding
+  is zeros, never read back, and costs at most one block, where float32 moments would cost
+  6 bytes more per element. torchao keeps such a leaf's moments in float32 instead; pass
+  ``pad=False`` for its rule and its trajectories (a lazy sparse table whose blocks are
+  whole rows is never padded, so it is quantized either way). When the last axis
   is a multiple of the block, codes and scales keep the leaf's leading axes (shape
   ``leaf.shape[:-1] + (blocks per row, block)``), so a row- or column-sharded parameter
   shards its codes and scales alike.
@@ -103,13 +107,19 @@ class Quantized:
       at least 2).
     min_size: leaves with fewer elements keep float32 moments (default 4096, as
       bitsandbytes and torchao), an integer >= 0.
+    pad: whether a leaf whose size is not a multiple of the block is padded to whole
+      blocks (``True``, bitsandbytes' rule) or keeps float32 moments (``False``,
+      torchao's).
 
   Examples:
     >>> import adamkit as ak
     >>> ak.Quantized("8bit")
-    Quantized(kind='8bit', block_size=None, min_size=4096)
+    Quantized(kind='8bit', block_size=None, min_size=4096, pad=True)
     >>> ak.Quantized("4bit", block_size=64).block_size
     64
+    >>> q = ak.Quantized("8bit", pad=False)  # torchao's AdamW8bit: 4900 % 256 != 0
+    >>> q.quantizes((70, 70), "mu"), q.quantizes((32, 256), "mu")
+    (False, True)
 
   References:
     Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via Block-wise
@@ -120,6 +130,7 @@ class Quantized:
   kind: str
   block_size: int | None = None
   min_size: int = 4096
+  pad: bool = True
 
   def __post_init__(self):
     if not isinstance(self.kind, str) or self.kind not in KINDS:
@@ -135,6 +146,17 @@ class Quantized:
     m = self.min_size
     if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
       raise ValueError(f"Quantized `min_size` must be an integer >= 0, got {m!r}.")
+    if not isinstance(self.pad, (bool, np.bool_)):
+      raise ValueError(f"Quantized `pad` must be True or False, got {self.pad!r}.")
+
+  def quantizes(self, shape: tuple, role: str, fmt: Format | None = None) -> bool:
+    """Whether a moment (``role`` "mu" or "nu") of a leaf of ``shape`` is stored in this
+    format (else float32): at least ``min_size`` elements and, with ``pad=False``, a
+    multiple of the block (``fmt``'s, where a sparse table's layout sets it)."""
+    size = math.prod(shape)
+    if size < self.min_size:
+      return False
+    return self.pad or size % (fmt or resolve(self, role)).block_size == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -559,7 +581,7 @@ def init_moment(p: Any, fmt: Any, role: str) -> Any:
   smaller leaves keep float32)."""
   if fmt is None or not is_quantized(fmt):
     return jnp.zeros_like(p, dtype=fmt)
-  if p.size < fmt.min_size:
+  if not fmt.quantizes(p.shape, role):
     return jnp.zeros_like(p, dtype=jnp.float32)
   return zeros(tuple(p.shape), resolve(fmt, role))
 
@@ -611,9 +633,11 @@ def init_table_moment(p: Any, fmt: Any, role: str) -> Any:
   """:func:`init_moment` with :func:`table_format`'s layout (see there)."""
   if not is_quantized(fmt):
     return init_moment(p, fmt, role)
-  if np.size(p) < fmt.min_size:
+  shape = tuple(np.shape(p))
+  layout = table_format(fmt, role, shape)
+  if not fmt.quantizes(shape, role, layout):
     return jnp.zeros_like(p, dtype=jnp.float32)
-  return place_like(zeros(tuple(np.shape(p)), table_format(fmt, role, tuple(np.shape(p)))), p)
+  return place_like(zeros(shape, layout), p)
 
 
 def place_like(q: QuantizedArray, p: Any) -> QuantizedArray:

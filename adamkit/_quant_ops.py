@@ -364,8 +364,8 @@ def check_moments(updates: Any, moments: Any, fmt: Any, role: str, what: str) ->
     if np.shape(g) != tuple(m.shape):
       raise ValueError(f"Gradient '{name}' has shape {np.shape(g)} but the optimizer state's "
                        f"{what} has shape {tuple(m.shape)}.")
-    want = _quant.resolve(fmt, role) if _quant.is_quantized(fmt) and m.size >= fmt.min_size \
-        else None
+    want = _quant.resolve(fmt, role) if _quant.is_quantized(fmt) and \
+        fmt.quantizes(tuple(m.shape), role) else None
     have = m.fmt if _quant.is_qarray(m) else None
     if want != have:
       raise ValueError(

@@ -40,6 +40,20 @@ def load_golden(name):
   return json.loads(str(d["__config__"])), d
 
 
+def load_ao_8bit_run(run):
+  """One torchao run of ``tests/golden/ao_8bit_runs.npz`` (see make_ao_8bit_runs.py) as
+  (config dict, initial params, gradients per step, {step: recorded params}, {name:
+  whether torchao kept that leaf's moments in 8 bits})."""
+  import json
+
+  from golden.make_ao_8bit_runs import STEPS, inputs
+  d = np.load(GOLDEN / "ao_8bit_runs.npz")
+  init, grads = inputs()
+  recorded = {t: {k: d[f"{run}/params/{t}/{k}"] for k in init} for t in STEPS}
+  quantized = {k: bool(d[f"{run}/quantized/{k}"]) for k in init}
+  return json.loads(str(d[f"{run}/config"])), init, grads, recorded, quantized
+
+
 @pytest.fixture(scope="session")
 def kernel(tmp_path_factory):
   """Makes adamkit's compiled CPU kernel available, building it into a temp dir if the

@@ -19,6 +19,9 @@ Q8 = ak.Quantized("8bit", block_size=64, min_size=0)
 Q4 = ak.Quantized("4bit", block_size=64, min_size=0)
 QF = ak.Quantized("fp8", block_size=64, min_size=0)
 Q8_ROWS = ak.Quantized("8bit", block_size=2, min_size=0)  # divides the sparse suites' rows
+# torchao's rule: a leaf whose size is no multiple of the block keeps float32 moments (the
+# suites' 72- and 32-element leaves are quantized, the 4-element ones not: a mixed state)
+Q8_UNPADDED = ak.Quantized("8bit", block_size=8, min_size=0, pad=False)
 
 # name -> factory(learning_rate) of every optimizer the shared properties must hold for.
 REGISTRY = {
@@ -104,6 +107,7 @@ REGISTRY = {
     "adam_8bit": lambda lr: ak.adam(lr, mu_dtype=Q8, nu_dtype=Q8),
     "adam_4bit": lambda lr: ak.adam(lr, mu_dtype=Q4, nu_dtype=Q4),
     "adamw_8bit": lambda lr: ak.adamw(lr, mu_dtype=Q8, nu_dtype=Q8),
+    "adamw_8bit_unpadded": lambda lr: ak.adamw(lr, mu_dtype=Q8_UNPADDED, nu_dtype=Q8_UNPADDED),
     "adamw_4bit_amsgrad": lambda lr: ak.adamw(lr, amsgrad=True, mu_dtype=Q4, nu_dtype=Q4),
     "adamw_fp8": lambda lr: ak.adamw(lr, mu_dtype=QF, nu_dtype=QF),
     "adamax_8bit": lambda lr: ak.adamax(lr, weight_decay=0.01, mu_dtype=Q8, nu_dtype=Q8),

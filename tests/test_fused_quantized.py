@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from conftest import GOLDEN, load_ao_8bit_run
 from reference import round_4bit_mu
 
 import adamkit as ak
@@ -363,6 +363,30 @@ def test_torchao_adamw8bit_replay(kernel):
   assert worst <= 0.1 * lr, worst / lr
   dq = np.asarray(_quant.dequantize(state.mu["8bit"]))
   np.testing.assert_allclose(dq.reshape(64, 256), d["exp_avg.w"], atol=0.02 * np.abs(d["exp_avg.w"]).max())
+
+
+@pytest.mark.parametrize("run", ["adamw_block128", "adamw_block512", "adamw_warmup"])
+def test_torchao_adamw8bit_other_runs(kernel, run):
+  """The fused 8-bit step on the kernel replays torchao's other AdamW8bit runs (blocks of
+  128 and 512, a learning rate changed at every step) within 0.1 x lr, a 4500-element leaf
+  kept in float32 by ``pad=False`` as torchao keeps it."""
+  config, init, grads, recorded, quantized = load_ao_8bit_run(run)
+  kw, lrs = config["kwargs"], config["lr"]
+  q = ak.Quantized("8bit", block_size=kw.get("block_size"), pad=False)
+  opt = ak.fused_adamw(lambda count: jnp.asarray(lrs)[count], *kw.get("betas", (0.9, 0.999)),
+                       kw.get("eps", 1e-8), weight_decay=kw["weight_decay"],
+                       weight_decay_mask=None, mu_dtype=q, nu_dtype=q, backend="kernel")
+  params = {k: jnp.asarray(v) for k, v in init.items()}
+  state = opt.init(params)
+  assert state.mu["8bit"].size == sum(init[k].size for k in init if quantized[k])
+  assert state.mu["float32"].size == sum(init[k].size for k in init if not quantized[k])
+  step = jax.jit(opt.step)
+  worst = 0.0
+  for t in range(len(lrs)):
+    params, state = step(params, state, grads={k: jnp.asarray(g[t]) for k, g in grads.items()})
+    for k, want in recorded.get(t, {}).items():
+      worst = max(worst, float(np.max(np.abs(np.asarray(params[k]) - want))))
+  assert worst <= 0.1 * max(lrs), worst / max(lrs)
 
 
 def test_state_bytes_per_parameter():
