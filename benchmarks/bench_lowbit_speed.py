@@ -37,6 +37,13 @@ copies the old codes, which the direction still reads while the new ones are wri
   python benchmarks/bench_lowbit_speed.py --reps 30 --no-anchors   # without torchao / bnb
   python benchmarks/bench_lowbit_speed.py --xla        # adds the fused 8-bit step on XLA
   python benchmarks/bench_lowbit_speed.py --chain-xla  # adds the chain form without the kernel
+  python benchmarks/bench_lowbit_speed.py --huge-pages # every contender's buffers on 2 MiB pages
+
+``--huge-pages`` runs the whole benchmark again in a process whose heap hands out 2 MiB
+pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: glibc's malloc advises transparent huge
+pages for its large blocks; Linux with transparent huge pages in ``madvise`` or
+``always`` mode). XLA's CPU buffers and torch's tensors come from that heap alike, so every
+row, the reference's included, runs on the same pages.
 """
 
 from __future__ import annotations
@@ -153,7 +160,16 @@ def main():
   ap.add_argument("--xla", action="store_true", help="add the fused 8-bit step on XLA")
   ap.add_argument("--chain-xla", action="store_true",
                   help="add the chain form with its new codes by XLA's loop (no kernel)")
+  ap.add_argument("--huge-pages", action="store_true",
+                  help="run with glibc's malloc on 2 MiB pages (every contender alike)")
   args = ap.parse_args()
+  huge = os.environ.get("GLIBC_TUNABLES", "").find("glibc.malloc.hugetlb=1") >= 0
+  if args.huge_pages and not huge:
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(thp) or "[never]" in open(thp).read():
+      sys.exit("--huge-pages: this machine has no transparent huge pages (" + thp + ")")
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)  # the heap is set at start
   if not ak.cpu_kernel_available():
     ak.build_cpu_kernel()
 
@@ -211,8 +227,9 @@ def main():
   base = med["optax.adamw f32"]
   rows = [[name, ms, ms / ref if ref else "-", ms / base, med_cpu[name],
            med_cpu[name] / ref_cpu if ref_cpu else "-"] for name, ms in med.items()]
+  pages = ", 2 MiB pages (glibc.malloc.hugetlb=1)" if huge else ""
   print(common.table(f"AdamW step, {SHAPE[0]}x{SHAPE[1]} = 16.8M float32 parameters, "
-                     f"median of {args.reps} interleaved rounds",
+                     f"median of {args.reps} interleaved rounds{pages}",
                      ["contender", "ms", f"x {REFERENCE}", "x optax.adamw f32", "CPU ms",
                       "CPU x torch fused"], rows))
   for note in notes:
@@ -221,9 +238,9 @@ def main():
   print("\nak.adamw 8-bit chain form, bytes per parameter: " +
         ", ".join(f"{k} {v:.3g}" for k, v in memory.items()))
   print(f"load average (1, 5, 15 min): {os.getloadavg()}")
-  path = common.write_json("bench_lowbit_speed", {
+  path = common.write_json("bench_lowbit_speed" + ("_huge_pages" if huge else ""), {
       "shape": SHAPE, "reps": args.reps, "median_ms": med, "median_cpu_ms": med_cpu,
-      "samples_s": times, "notes": notes, "chain_bytes_per_param": memory,
+      "samples_s": times, "notes": notes, "chain_bytes_per_param": memory, "huge_pages": huge,
       "load_average": os.getloadavg()})
   print(f"\nwritten: {path}")
 
