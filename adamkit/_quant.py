@@ -100,7 +100,7 @@ class Quantized:
   cost more than they save). A leaf whose size is not a multiple of the block is padded
   to whole blocks (``pad=True``, the default, as bitsandbytes): the last block's padding
   is zeros, never read back, and costs at most one block, where float32 moments would cost
-  6 bytes more per element. torchao keeps such a leaf's moments in float32 instead; pass
+  6-7 bytes more per element. torchao keeps such a leaf's moments in float32 instead; pass
   ``pad=False`` for its rule and its trajectories (a lazy sparse table whose blocks are
   whole rows is never padded, so it is quantized either way). When the last axis
   is a multiple of the block, codes and scales keep the leaf's leading axes (shape

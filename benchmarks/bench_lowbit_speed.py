@@ -39,7 +39,7 @@ copies the old codes, which the direction still reads while the new ones are wri
   python benchmarks/bench_lowbit_speed.py --chain-xla  # adds the chain form without the kernel
   python benchmarks/bench_lowbit_speed.py --huge-pages # every contender's buffers on 2 MiB pages
 
-``--huge-pages`` runs the whole benchmark again in a process whose heap hands out 2 MiB
+``--huge-pages`` runs the whole benchmark in a process whose heap hands out 2 MiB
 pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: glibc's malloc advises transparent huge
 pages for its large blocks; Linux with transparent huge pages in ``madvise`` or
 ``always`` mode). XLA's CPU buffers and torch's tensors come from that heap alike, so every
@@ -163,13 +163,14 @@ def main():
   ap.add_argument("--huge-pages", action="store_true",
                   help="run with glibc's malloc on 2 MiB pages (every contender alike)")
   args = ap.parse_args()
-  huge = os.environ.get("GLIBC_TUNABLES", "").find("glibc.malloc.hugetlb=1") >= 0
+  huge = "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
   if args.huge_pages and not huge:
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     if not os.path.exists(thp) or "[never]" in open(thp).read():
       sys.exit("--huge-pages: this machine has no transparent huge pages (" + thp + ")")
     env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)  # the heap is set at start
+    # glibc reads its tunables at start: this process becomes one started with them
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
   if not ak.cpu_kernel_available():
     ak.build_cpu_kernel()
 
