@@ -133,7 +133,7 @@ def pytest_collection_modifyitems(config, items):
 # Whole files run by a second pytest process beside this one (the last job of the
 # background lane): their items here wait for its outcome and report it. They are the
 # largest registry products; the rest of the suite runs meanwhile.
-WORKER_FILES = {"test_composition.py"}
+WORKER_FILES = {"test_composition.py", "test_suite.py"}
 WORKER = os.environ.get("ADAMKIT_TEST_WORKER")  # in that second process: its report file
 _REPORTS: dict[str, dict] = {}
 
