@@ -58,8 +58,9 @@ class Quantized:
     of :math:`x \cdot (1/s_b)`; torchao forms the moments by ``lerp`` and divides by
     :math:`s_b`, a float32 rounding apart. A code at a rounding boundary then flips, and
     a flipped code of a small :math:`v` (where the map is coarse) moves that weight's
-    steps by up to a fifth of the learning rate: eleven torchao runs of 10-20 steps
-    stay within 0.08 x lr of torchao's, longer ones drift further (the low-memory guide).
+    steps by up to a fifth of the learning rate: torchao runs of 10-20 steps (the tests'
+    five, ``benchmarks/bench_torchao_replay.py``'s six) stay within 0.08 x lr of
+    torchao's, longer ones drift further (the low-memory guide).
   * ``"4bit"``: adamkit's 4-bit format. The first moment: 15 evenly spaced levels
     :math:`q_k = k/7`, :math:`k = -7 \dots 7`, in blocks of 128, rounded *stochastically*
     to one of the two neighbouring levels, up with probability
