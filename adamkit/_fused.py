@@ -49,7 +49,18 @@ import numpy as np
 import optax
 from jax.experimental.shard_alike import shard_alike
 
-from adamkit import _adam, _backend, _links, _masks, _ops, _quant, _rounding, _schedules, _validate
+from adamkit import (
+  _adam,
+  _backend,
+  _links,
+  _masks,
+  _ops,
+  _quant,
+  _quant_ops,
+  _rounding,
+  _schedules,
+  _validate,
+)
 from adamkit._sparse_types import RowSparse, _explicit_sharding, gather_rows, safe_ids
 from adamkit._tree import leaf_names, place_scalars_like, replicated_like
 
@@ -237,9 +248,10 @@ def _flat_layout(leaves, store_of) -> tuple[list[tuple[str, int]], dict[str, tup
 
 
 def _zero_moment(p, store):
-  """A zero moment for leaf ``p`` stored as ``store`` (see :func:`_storage`)."""
+  """A zero moment for leaf ``p`` stored as ``store`` (see :func:`_storage`); quantized
+  codes and scales are placed as a committed ``p`` is (sharded alike)."""
   if isinstance(store, _quant.Format):
-    return _quant.zeros(tuple(np.shape(p)), store)
+    return _quant_ops.placed_like(_quant.zeros(tuple(np.shape(p)), store), p)
   return jnp.zeros_like(p, dtype=store)
 
 
@@ -715,7 +727,11 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       dequantizes, updates in float32 and requantizes. ``"8bit"`` runs on the C++ kernel,
       one pass per block of 256 (read p, g and the 1-byte codes; write p and the codes: 16
       bytes per parameter instead of 28) with the codes of the XLA path bit for bit;
-      ``"4bit"`` and ``"fp8"`` run on XLA. In multi-tensor mode the quantized leaves share
+      ``"4bit"`` and ``"fp8"`` run on XLA. XLA steps a leaf over chunks of blocks, each
+      chunk's params, codes and scales read once and overwritten in place (strided rows
+      where the codes keep the leaf's rows, so a sharded param steps shard by shard), so
+      no float32 moment of the whole leaf is made and nothing is copied when the state is
+      donated. In multi-tensor mode the quantized leaves share
       one flat buffer of codes (each leaf from a block's start) keyed by the kind; leaves
       under ``min_size`` keep float32 moments. A lazy row-sparse table takes quantized
       moments when each of its rows is whole blocks (a block size dividing the row, per

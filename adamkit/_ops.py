@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from adamkit import _backend, _quant, _rounding, _row_sharded
+from adamkit import _backend, _quant, _quant_ops, _rounding, _row_sharded
 from adamkit._adam import adam_direction, amsgrad_direction, bias_corrections
 from adamkit._adamax import adamax_direction
 from adamkit._dtypes import compute_dtype
@@ -411,11 +411,82 @@ def _dense_xla(leaf_fn, h: Hyper, params, grads, state, offsets, decay: bool):
   moments written back into their buffers (quantized)."""
   out = []
   for j, (p, g) in enumerate(zip(params, grads)):
+    if _chunked(p, g, state):
+      new_p, state = _quantized_leaf(leaf_fn, h, p, g, state, [a[j] for a in offsets], decay)
+      out.append(new_p)
+      continue
     olds = [_load(buf, a[j], p.shape) for buf, a in zip(state, offsets)]
     new_p, *news = leaf_fn(h, p, g, olds, decay)
     out.append(new_p)
     state = tuple(_store(buf, a[j], x, h.step) for buf, a, x in zip(state, offsets, news))
   return out, state
+
+
+def _chunked(p, g, state) -> bool:
+  """Whether :func:`_quantized_leaf` steps this leaf: some moment quantized, float32
+  params and gradients (XLA widens a narrower param or gradient whole, or copies it at
+  every iteration of the loop: those keep the one-pass form)."""
+  return (any(_quant.is_qarray(b) for b in state) and g.size > 0
+          and p.dtype == jnp.float32 and g.dtype == jnp.float32)
+
+
+def _quantized_leaf(leaf_fn, h: Hyper, p, g, state, at: list, decay: bool):
+  """``leaf_fn`` on one leaf, held in ``state``'s buffers from offsets ``at`` (see
+  :func:`dense_step`), some of them quantized, over chunks of blocks
+  (:mod:`adamkit._quant_ops`), so that no full-size float32 moment is made: a one-pass
+  step keeps the old and new moments of the whole leaf alive at once (16 bytes per
+  parameter of temporaries at 8 bits, twice a float32 step's).
+
+  The fused step (``leaf_fn`` :func:`_dense_leaf`) steps each chunk's params and moments
+  and writes them over the old ones (:func:`adamkit._quant_ops.step_in_place`): no
+  temporary of the leaf's size, donated or not. An update (``-lr * u``, which XLA fuses
+  into ``optax.apply_updates``' add later) takes the chain form's two passes
+  (:func:`adamkit._quant_ops.leaf_step`): ``u`` elementwise from the old moments, the new
+  codes from a loop into fresh buffers (a copy of the old codes when the state is
+  donated, as in the chain form)."""
+  if leaf_fn is _dense_leaf:
+    return _quant_ops.step_in_place(lambda pc, gc, *ocs: _dense_leaf(h, pc, gc, ocs, decay),
+                                    p, g, state, at, h.step)
+  n = p.size
+  l2 = decay and not h.decoupled
+  flat = any(a is not None for a in at)
+
+  def leaf(buf, a):  # the leaf's old moment as the loop takes it: its own, flat if ``flat``
+    if not _quant.is_qarray(buf):
+      return view(buf, a, p.shape).reshape(-1) if flat else buf
+    if a is None:
+      return buf
+    first, blocks = a // buf.fmt.block_size, -(-n // buf.fmt.block_size)
+    return _quant.QuantizedArray(lax.slice_in_dim(buf.codes, first, first + blocks),
+                                 lax.slice_in_dim(buf.scales, first, first + blocks),
+                                 (n,), buf.fmt)
+
+  olds = [leaf(buf, a) for buf, a in zip(state, at)]
+  gl = g.reshape(-1) if flat else g
+  new_p, *news = leaf_fn(h, p, g, [_load(buf, a, p.shape) for buf, a in zip(state, at)],
+                         decay)
+
+  def moments(gc, *ocs):
+    # only L2 decay reads the param in the moments; else a zero stands in (unused)
+    pc = ocs[-1] if l2 else jnp.zeros_like(gc)
+    _, *nw = _leaf_update(h, pc, gc, list(ocs[:len(state)]), decay)
+    return (*nw, pc) if l2 else tuple(nw)
+
+  if l2:
+    olds.append(p.reshape(-1) if flat else p)
+  stored = _quant_ops._requantize(moments, gl, olds, h.step)
+  out = []
+  for q, x, buf, a in zip(stored, news, state, at):
+    if not _quant.is_qarray(buf):
+      out.append(put(buf, a, x))
+    elif a is None:
+      out.append(q)
+    else:
+      first = a // buf.fmt.block_size
+      out.append(dataclasses.replace(
+          buf, codes=lax.dynamic_update_slice(buf.codes, q.codes, (first, 0)),
+          scales=lax.dynamic_update_slice(buf.scales, q.scales, (first,))))
+  return new_p, tuple(out)
 
 
 def _dense_leaf(h: Hyper, p, g, olds, decay: bool):

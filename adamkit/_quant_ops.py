@@ -46,6 +46,10 @@ from adamkit._tree import is_tracer
 from adamkit._validate import path_name
 
 CHUNK = 1 << 16  # elements encoded per loop iteration: float32 temporaries of 256 KiB
+# The fused step's in-place loop (step_in_place) takes chunks of twice CHUNK elements: it
+# steps the params in the same iteration, and an iteration's fixed cost in XLA is then
+# more than 256 KiB of arithmetic
+IN_PLACE_CHUNKS = 2
 
 
 # ----------------------------------------------------------------------- the leaf step
@@ -116,17 +120,24 @@ def _kernel_requantize(rule: MomentRule, g: jax.Array, olds) -> list:
 
 def _requantize(moments: Callable, g: jax.Array, olds, count) -> list:
   """The new moments of ``moments(g, *olds)`` stored as ``olds`` are, chunk by chunk
-  (``count`` keys the 4-bit dither). Plain moments come back as ``None`` (the caller has
-  them from the elementwise pass)."""
+  (``count`` keys the 4-bit dither), in fresh buffers. Plain moments come back as
+  ``None`` (the caller has them from the elementwise pass)."""
   quant = [o for o in olds if _quant.is_qarray(o)]
   block = max(q.fmt.block_size for q in quant)
   if g.size == 0:
     return [o if _quant.is_qarray(o) else None for o in olds]
-  if g.ndim and all(_lead_layout(q) for q in quant):
-    rows = _Rows(g.shape, block)
-    if rows.plan is not None:
-      return _strided(moments, g, olds, rows, count)
+  if strided(g, olds):
+    return _strided(moments, g, olds, _Rows(g.shape, block), count)
   return _contiguous(moments, g, olds, block, count)
+
+
+def strided(g: jax.Array, olds, chunk: int | None = None) -> bool:
+  """Whether a leaf is stepped in strided chunks of rows (every quantized moment keeps
+  the leaf's leading axes, and the rows divide into chunks of about ``chunk`` elements,
+  :data:`CHUNK` by default)."""
+  quant = [o for o in olds if _quant.is_qarray(o)]
+  return bool(g.ndim and all(_lead_layout(q) for q in quant) and
+              _Rows(g.shape, max(q.fmt.block_size for q in quant), chunk).plan is not None)
 
 
 def _lead_layout(q) -> bool:
@@ -143,20 +154,21 @@ class _Rows:
   """A leaf seen as ``(rows, *row)``: its axis 0 (a 1-D leaf: runs of ``block`` elements,
   the largest block of its moments), and how to cut the rows into strided chunks."""
 
-  def __init__(self, shape: tuple, block: int):
+  def __init__(self, shape: tuple, block: int, chunk: int | None = None):
+    chunk = CHUNK if chunk is None else chunk
     self.ndim = len(shape)
     if self.ndim >= 2:
       self.rows, self.row = shape[0], tuple(shape[1:])
     else:
       self.rows, self.row = shape[0] // block, (block,)
     row_size = math.prod(self.row)
-    # ``K`` chunks of ``r`` rows, ``r`` the divisor of the rows nearest CHUNK elements
+    # ``K`` chunks of ``r`` rows, ``r`` the divisor of the rows nearest ``chunk`` elements
     # from below; none when that leaves chunks under an eighth of it (few long rows,
     # a prime number of rows) or over eight times it (one long row): those leaves take
     # contiguous chunks instead.
-    r = max(d for d in _divisors(self.rows) if d * row_size <= CHUNK) if row_size <= CHUNK else 1
+    r = max(d for d in _divisors(self.rows) if d * row_size <= chunk) if row_size <= chunk else 1
     size = r * row_size
-    fits = 8 * size >= min(CHUNK, self.rows * row_size) and size <= 8 * CHUNK
+    fits = 8 * size >= min(chunk, self.rows * row_size) and size <= 8 * chunk
     self.plan = (r, self.rows // r) if fits else None
 
   def of(self, x: jax.Array) -> jax.Array:
@@ -253,6 +265,133 @@ def _contiguous(moments, g, olds, block: int, count) -> list:
   if n - k * size:
     outs = write(outs, k * size, part(k * size, n - k * size))
   return _stored(olds, outs)
+
+
+def step_in_place(step: Callable, p: jax.Array, g: jax.Array, bufs, at, count) -> tuple:
+  """A fused step of one leaf over chunks, everything written in place: each chunk's
+  params, gradients and old moments are read, ``step(p, g, *moments) -> (p, *moments)``
+  (elementwise) runs on them, and the new params and moments (quantized where stored
+  quantized) are written over the old ones in the same buffers. No array of the leaf's
+  size is made, so under ``jit`` the step keeps no temporaries of that size, and none
+  are copied when params and state are donated: every old value is read once, by the
+  chunk that overwrites it (a gather, see :func:`_read`).
+
+  ``bufs``: the moment buffers, whole, each a plain array or a
+  :class:`~adamkit._quant.QuantizedArray`; ``at``: per buffer, the leaf's element offset
+  in it (a multi-tensor buffer; a quantized one's at a block's start) or ``None`` (the
+  leaf's own moment). ``count`` keys the 4-bit dither, the positions being the leaf's
+  own. Returns the new param and buffers. The chunks are :func:`_requantize`'s, of
+  :data:`IN_PLACE_CHUNKS` times the size: strided rows where every buffer is the leaf's
+  own and keeps its leading axes (a row- or column-sharded param steps shard by shard,
+  no collective), contiguous runs of the flattened leaf otherwise."""
+  quant = [b for b in bufs if _quant.is_qarray(b)]
+  block = max(q.fmt.block_size for q in quant)
+  if p.size == 0:
+    return p, tuple(bufs)
+  if all(a is None for a in at) and strided(p, quant, IN_PLACE_CHUNKS * CHUNK):
+    return _strided_in_place(step, p, g, bufs, _Rows(p.shape, block, IN_PLACE_CHUNKS * CHUNK),
+                             count)
+  return _contiguous_in_place(step, p, g, bufs, at, block, count)
+
+
+def _read(a: jax.Array, start, length: int) -> jax.Array:
+  """``a[start:start + length]`` (axis 0) by a gather, which XLA makes once, chunk-sized,
+  where it would copy a slice into every fusion that needs the chunk: one of those
+  writes the buffer in place while another still reads it, and XLA then copies the whole
+  buffer at every iteration to keep the old values."""
+  idx = (jnp.asarray(start, jnp.int32) + jnp.arange(length, dtype=jnp.int32))[:, None]
+  dims = lax.GatherDimensionNumbers(offset_dims=tuple(range(1, a.ndim)),
+                                    collapsed_slice_dims=(0,), start_index_map=(0,))
+  return lax.gather(a, idx, dims, (1,) + a.shape[1:], indices_are_sorted=True,
+                    unique_indices=True, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _read_column(a: jax.Array, i) -> jax.Array:
+  """``a[:, i]`` by a gather along axis 1 (see :func:`_read`), the chunks' axis, which a
+  sharded param never splits, so each shard reads its own rows. The index is given twice:
+  XLA turns a gather of one slice back into a dynamic slice."""
+  idx = jnp.full((2, 1), jnp.asarray(i, jnp.int32))
+  dims = lax.GatherDimensionNumbers(offset_dims=(1,) + tuple(range(2, a.ndim)),
+                                    collapsed_slice_dims=(1,), start_index_map=(1,))
+  return lax.gather(a, idx, dims, (a.shape[0], 1) + a.shape[2:], indices_are_sorted=True,
+                    mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)[0]
+
+
+def _strided_in_place(step, p, g, bufs, rows: _Rows, count) -> tuple:
+  """:func:`step_in_place` over strided chunks of rows (see :class:`_Rows`)."""
+  gs = rows.split(rows.of(g))
+  split = lambda b: (tuple(map(rows.split, rows.codes(b))) if _quant.is_qarray(b)  # noqa: E731
+                     else rows.split(rows.of(b)))
+
+  def body(i, carry):
+    ps, outs = carry
+    take = lambda a: _read_column(a, i)  # noqa: E731
+    put = lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 1)  # noqa: E731
+    pc = take(ps)
+    olds = [_quant.decode_blocks(*map(take, x), b.fmt).reshape(pc.shape)
+            if _quant.is_qarray(b) else take(x) for b, x in zip(bufs, outs)]
+    new_p, *news = step(pc, lax.dynamic_index_in_dim(gs, i, 1, keepdims=False), *olds)
+    outs = [tuple(put(a, y) for a, y in zip(x, _encode(n, b.fmt, count,
+                                                       lambda: rows.positions(i))))
+            if _quant.is_qarray(b) else put(x, n.astype(x.dtype))
+            for b, x, n in zip(bufs, outs, news)]
+    return put(ps, new_p.astype(ps.dtype)), outs
+
+  ps, outs = lax.fori_loop(0, rows.plan[1], body, (rows.split(rows.of(p)), list(map(split, bufs))))
+  stored = _stored(bufs, [x if _quant.is_qarray(b) else None for b, x in zip(bufs, outs)])
+  return ps.reshape(p.shape), tuple(
+      q if _quant.is_qarray(b) else x.reshape(b.shape) for b, q, x in zip(bufs, stored, outs))
+
+
+def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
+  """:func:`step_in_place`'s loop: chunks of a whole number of every block, then the
+  tail, whose last block is padded with zeros as :func:`adamkit._quant.quantize` pads
+  it."""
+  n = p.size
+  chunk = IN_PLACE_CHUNKS * CHUNK
+  size = max(block, chunk // block * block)
+  flat_g = g.reshape(-1)
+  at = [0 if a is None else a for a in at]
+  starts = [a // b.fmt.block_size if _quant.is_qarray(b) else a for b, a in zip(bufs, at)]
+  flat = lambda b: ((b.codes.reshape(-1, b.codes.shape[-1]), b.scales.reshape(-1))  # noqa: E731
+                    if _quant.is_qarray(b) else b.reshape(-1))
+
+  def part(lo, length: int, carry):
+    """The chunk of the elements ``[lo, lo + length)`` stepped and written back."""
+    ps, outs = carry
+    pc = _read(ps, lo, length)
+    olds = []
+    for b, x, s0 in zip(bufs, outs, starts):
+      if _quant.is_qarray(b):
+        k = b.fmt.block_size
+        codes, scales = (_read(a, s0 + lo // k, -(-length // k)) for a in x)
+        olds.append(_quant.decode_blocks(codes, scales, b.fmt).reshape(-1)[:length])
+      else:
+        olds.append(_read(x, s0 + lo, length))
+    new_p, *news = step(pc, lax.dynamic_slice_in_dim(flat_g, lo, length), *olds)
+    written = []
+    for b, x, s0, nw in zip(bufs, outs, starts, news):
+      if _quant.is_qarray(b):
+        k = b.fmt.block_size
+        nw = jnp.pad(nw, (0, -length % k)) if length % k else nw
+        enc = _encode(nw, b.fmt, count, lambda nw=nw: _quant.positions(
+            nw.shape, jnp.asarray(lo).astype(jnp.uint32)))
+        written.append(tuple(lax.dynamic_update_slice_in_dim(a, y, s0 + lo // k, 0)
+                             for a, y in zip(x, enc)))
+      else:
+        written.append(lax.dynamic_update_slice_in_dim(x, nw.astype(x.dtype), s0 + lo, 0))
+    return lax.dynamic_update_slice_in_dim(ps, new_p.astype(ps.dtype), lo, 0), written
+
+  carry = (p.reshape(-1), list(map(flat, bufs)))
+  k = n // size
+  if k:
+    carry = lax.fori_loop(0, k, lambda i, c: part(i * size, size, c), carry)
+  if n - k * size:
+    carry = part(k * size, n - k * size, carry)
+  ps, outs = carry
+  stored = _stored(bufs, [x if _quant.is_qarray(b) else None for b, x in zip(bufs, outs)])
+  return ps.reshape(p.shape), tuple(
+      q if _quant.is_qarray(b) else x.reshape(b.shape) for b, q, x in zip(bufs, stored, outs))
 
 
 def _stored(olds, outs) -> list:

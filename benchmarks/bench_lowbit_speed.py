@@ -112,12 +112,21 @@ def optax_runner(tx, params, grads, kernel=True, donate=(0, 1)):
 def chain_memory(tx, params) -> dict:
   """Bytes per parameter of ``tx``'s state, and of the XLA temporaries of its jitted update
   + apply_updates, params donated / params and state donated."""
+  return step_memory(tx.init, optax_step(tx), params)
+
+
+def fused_memory(opt, params) -> dict:
+  """:func:`chain_memory` of a fused step's jitted ``step``."""
+  return step_memory(opt.init, lambda p, s, g: opt.step(p, s, grads=g), params)
+
+
+def step_memory(init, step, params) -> dict:
   shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-  state = jax.eval_shape(tx.init, shapes)
+  state = jax.eval_shape(init, shapes)
   n = sum(p.size for p in jax.tree.leaves(params))
   out = {"state": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / n}
   for name, donate in (("temp, params donated", (0,)), ("temp, params and state donated", (0, 1))):
-    compiled = jax.jit(optax_step(tx), donate_argnums=donate).lower(shapes, state, shapes).compile()
+    compiled = jax.jit(step, donate_argnums=donate).lower(shapes, state, shapes).compile()
     out[name] = compiled.memory_analysis().temp_size_in_bytes / n
   return out
 
@@ -238,10 +247,22 @@ def main():
   memory = chain_memory(chain, params)
   print("\nak.adamw 8-bit chain form, bytes per parameter: " +
         ", ".join(f"{k} {v:.3g}" for k, v in memory.items()))
+  # The fused step where the kernel does not run (other devices, several devices, 4-bit):
+  # XLA's loop over chunks, in place in the multi-tensor buffer, per leaf into fresh codes.
+  fused_xla = {}
+  for kind in ("8bit", "4bit"):
+    for multi_tensor in (True, False):
+      name = f"{kind}, multi_tensor={multi_tensor}"
+      fused_xla[name] = fused_memory(ak.fused_adamw(
+          LR, B1, B2, EPS, weight_decay=WD, weight_decay_mask=None, mu_dtype=kind,
+          nu_dtype=kind, multi_tensor=multi_tensor, backend="xla"), params)
+      print(f"ak.fused_adamw {name}, XLA path, bytes per parameter: " +
+            ", ".join(f"{k} {v:.3g}" for k, v in fused_xla[name].items()))
   print(f"load average (1, 5, 15 min): {os.getloadavg()}")
   path = common.write_json("bench_lowbit_speed" + ("_huge_pages" if huge else ""), {
       "shape": SHAPE, "reps": args.reps, "median_ms": med, "median_cpu_ms": med_cpu,
-      "samples_s": times, "notes": notes, "chain_bytes_per_param": memory, "huge_pages": huge,
+      "samples_s": times, "notes": notes, "chain_bytes_per_param": memory,
+      "fused_xla_bytes_per_param": fused_xla, "huge_pages": huge,
       "load_average": os.getloadavg()})
   print(f"\nwritten: {path}")
 

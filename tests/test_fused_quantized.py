@@ -311,6 +311,25 @@ def test_other_formats_run_on_xla(kernel, kind, multi_tensor):
     assert diff.mean() <= 0.25 * lr * 4, (k, diff.mean())
 
 
+@pytest.mark.parametrize("kind", ["8bit", "4bit"])
+@pytest.mark.parametrize("multi_tensor", [True, False])
+@pytest.mark.parametrize("shape", [(2048, 2048), (4194301,)])
+@pytest.mark.parametrize("donate", [(0,), (0, 1)])
+def test_xla_step_keeps_no_float32_moment(kind, multi_tensor, shape, donate):
+  """The fused step's XLA path (other devices, several devices, 4-bit, no kernel) at 4M
+  params keeps no full-size float32 copy of m or v under jit (4 bytes per param each; the
+  one-pass step kept 16), and no copy of the codes when the state is donated: it steps
+  chunk by chunk in place, strided rows of a leaf whose codes keep its rows (the 2-D
+  per-leaf case), contiguous runs otherwise."""
+  opt = ak.fused_adamw(1e-3, mu_dtype=kind, nu_dtype=kind, weight_decay_mask=None,
+                       multi_tensor=multi_tensor, backend="xla")
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+  state = jax.eval_shape(opt.init, params)
+  step = jax.jit(lambda p, s, g: opt.step(p, s, grads=g), donate_argnums=donate)
+  temp = step.lower(params, state, params).compile().memory_analysis().temp_size_in_bytes
+  assert temp / np.prod(shape) <= 1.0
+
+
 @pytest.mark.parametrize("multi_tensor", [True, False])
 def test_4bit_first_moment_codes_are_the_dither_reference(multi_tensor):
   """With b1 = 0 the stored first moment is the gradient itself: its 4-bit codes are the

@@ -16,7 +16,8 @@ from reference import round_4bit_mu
 import adamkit as ak
 from adamkit import _quant, _quant_ops
 
-MOMENT_STATES = (ak.ScaleByAdamState, ak.ScaleByAmsgradState, ak.ScaleByAdamaxState)
+MOMENT_STATES = (ak.ScaleByAdamState, ak.ScaleByAmsgradState, ak.ScaleByAdamaxState,
+                 ak.FusedAdamState)
 
 
 def moments_of(state):
@@ -483,27 +484,36 @@ def test_framework_states_fill_a_quantized_state():
 
 @pytest.mark.parametrize("spec", [P("rows", None), P(None, "cols"), P("rows", "cols")])
 @pytest.mark.parametrize("mu_kind", ["8bit", "4bit"])
-def test_sharded_param_keeps_codes_and_scales_sharded(monkeypatch, spec, mu_kind):
-  """Codes and scales are split as the param; the step (several strided chunks) runs
-  shard by shard: no collective in the compiled step, the same numbers as one device
-  (the 4-bit first moment's dither included: its positions are global)."""
+@pytest.mark.parametrize("form", ["chain", "fused"])
+def test_sharded_param_keeps_codes_and_scales_sharded(monkeypatch, spec, mu_kind, form):
+  """Codes and scales are split as the param; the step (several strided chunks; the
+  fused step's XLA loop, per-leaf moments, steps them in place) runs shard by shard: no
+  collective in the compiled step, the same numbers as one device (the 4-bit first
+  moment's dither included: its positions are global)."""
   monkeypatch.setattr(_quant_ops, "CHUNK", 2048)  # 8 rows of 256 a chunk: 16 chunks
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("rows", "cols"))
   sharding = NamedSharding(mesh, spec)
   q = ak.Quantized(mu_kind, block_size=64, min_size=0)
-  tx = ak.adamw(1e-2, mu_dtype=q, nu_dtype=ak.Quantized("4bit", block_size=64, min_size=0))
+  nu = ak.Quantized("4bit", block_size=64, min_size=0)
   rng = np.random.default_rng(5)
   params = {"w": jnp.asarray(rng.normal(size=(128, 256)), jnp.float32)}
   grads = {"w": jnp.asarray(rng.normal(size=(128, 256)), jnp.float32)}
   sharded = jax.device_put(params, sharding)
+  if form == "chain":
+    tx = ak.adamw(1e-2, mu_dtype=q, nu_dtype=nu)
+
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+  else:
+    tx = ak.fused_adamw(1e-2, mu_dtype=q, nu_dtype=nu, multi_tensor=False)
+
+    def step(p, s, g):
+      return tx.step(p, s, grads=g)
   state = tx.init(sharded)
   mu = moments_of(state).mu["w"]
   assert mu.codes.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec, None, None)), 3)
   assert mu.scales.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec, None)), 3)
-
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
 
   compiled = jax.jit(step).lower(sharded, state, jax.device_put(grads, sharding)).compile()
   hlo = compiled.as_text()
