@@ -731,7 +731,8 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       chunk's params, codes and scales read once and overwritten in place (strided rows
       where the codes keep the leaf's rows, so a sharded param steps shard by shard), so
       no float32 moment of the whole leaf is made and nothing is copied when the state is
-      donated. In multi-tensor mode the quantized leaves share
+      donated (float32 params; bf16 and fp16 params keep a one-pass form, whose
+      temporaries are leaf-sized). In multi-tensor mode the quantized leaves share
       one flat buffer of codes (each leaf from a block's start) keyed by the kind; leaves
       under ``min_size`` keep float32 moments. A lazy row-sparse table takes quantized
       moments when each of its rows is whole blocks (a block size dividing the row, per

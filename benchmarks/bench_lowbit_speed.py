@@ -248,7 +248,7 @@ def main():
   print("\nak.adamw 8-bit chain form, bytes per parameter: " +
         ", ".join(f"{k} {v:.3g}" for k, v in memory.items()))
   # The fused step where the kernel does not run (other devices, several devices, 4-bit):
-  # XLA's loop over chunks, in place in the multi-tensor buffer, per leaf into fresh codes.
+  # XLA's loop over chunks, each overwritten in place (multi-tensor buffer and per leaf).
   fused_xla = {}
   for kind in ("8bit", "4bit"):
     for multi_tensor in (True, False):
