@@ -352,12 +352,18 @@ def _load(buf, at: int | None, shape: tuple):
     return view(buf, at, shape)
   if at is None:
     return _quant.dequantize(buf)
-  first, n = at // buf.fmt.block_size, _span(buf, int(np.prod(shape, dtype=np.int64)))
-  blocks = n // buf.fmt.block_size
-  leaf = _quant.QuantizedArray(lax.slice_in_dim(buf.codes, first, first + blocks),
+  size = int(np.prod(shape, dtype=np.int64))
+  leaf = _leaf_codes(buf, at, size, _span(buf, size))
+  return _quant.dequantize(leaf)[:size].reshape(shape)
+
+
+def _leaf_codes(buf, at: int, size: int, length: int):
+  """The whole blocks of the leaf of ``size`` elements held in the flat quantized ``buf``
+  from element ``at``, as a flat quantized array of ``length`` elements."""
+  first, blocks = at // buf.fmt.block_size, -(-size // buf.fmt.block_size)
+  return _quant.QuantizedArray(lax.slice_in_dim(buf.codes, first, first + blocks),
                                lax.slice_in_dim(buf.scales, first, first + blocks),
-                               (n,), buf.fmt)
-  return _quant.dequantize(leaf)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                               (length,), buf.fmt)
 
 
 def _store(buf, at: int | None, x, step):
@@ -367,7 +373,12 @@ def _store(buf, at: int | None, x, step):
     return put(buf, at, x)
   if at is None:
     return _quant.store(x, buf, step=step)
-  leaf = _quant.quantize(x.reshape(-1), buf.fmt, step=step)
+  return _put_codes(buf, at, _quant.quantize(x.reshape(-1), buf.fmt, step=step))
+
+
+def _put_codes(buf, at: int, leaf):
+  """The flat quantized ``buf`` with the quantized ``leaf``'s codes and scales written
+  from element ``at`` (a block's start)."""
   first = at // buf.fmt.block_size
   codes = lax.dynamic_update_slice(buf.codes, leaf.codes.reshape((-1,) + buf.codes.shape[1:]),
                                    (first, 0))
@@ -426,7 +437,7 @@ def _chunked(p, g, state) -> bool:
   """Whether :func:`_quantized_leaf` steps this leaf: some moment quantized, float32
   params and gradients (XLA widens a narrower param or gradient whole, or copies it at
   every iteration of the loop: those keep the one-pass form)."""
-  return (any(_quant.is_qarray(b) for b in state) and g.size > 0
+  return (any(_quant.is_qarray(b) for b in state)
           and p.dtype == jnp.float32 and g.dtype == jnp.float32)
 
 
@@ -454,12 +465,7 @@ def _quantized_leaf(leaf_fn, h: Hyper, p, g, state, at: list, decay: bool):
   def leaf(buf, a):  # the leaf's old moment as the loop takes it: its own, flat if ``flat``
     if not _quant.is_qarray(buf):
       return view(buf, a, p.shape).reshape(-1) if flat else buf
-    if a is None:
-      return buf
-    first, blocks = a // buf.fmt.block_size, -(-n // buf.fmt.block_size)
-    return _quant.QuantizedArray(lax.slice_in_dim(buf.codes, first, first + blocks),
-                                 lax.slice_in_dim(buf.scales, first, first + blocks),
-                                 (n,), buf.fmt)
+    return buf if a is None else _leaf_codes(buf, a, n, n)
 
   olds = [leaf(buf, a) for buf, a in zip(state, at)]
   gl = g.reshape(-1) if flat else g
@@ -475,18 +481,9 @@ def _quantized_leaf(leaf_fn, h: Hyper, p, g, state, at: list, decay: bool):
   if l2:
     olds.append(p.reshape(-1) if flat else p)
   stored = _quant_ops._requantize(moments, gl, olds, h.step)
-  out = []
-  for q, x, buf, a in zip(stored, news, state, at):
-    if not _quant.is_qarray(buf):
-      out.append(put(buf, a, x))
-    elif a is None:
-      out.append(q)
-    else:
-      first = a // buf.fmt.block_size
-      out.append(dataclasses.replace(
-          buf, codes=lax.dynamic_update_slice(buf.codes, q.codes, (first, 0)),
-          scales=lax.dynamic_update_slice(buf.scales, q.scales, (first,))))
-  return new_p, tuple(out)
+  return new_p, tuple(put(buf, a, x) if not _quant.is_qarray(buf) else
+                      q if a is None else _put_codes(buf, a, q)
+                      for q, x, buf, a in zip(stored, news, state, at))
 
 
 def _dense_leaf(h: Hyper, p, g, olds, decay: bool):

@@ -126,18 +126,20 @@ def _requantize(moments: Callable, g: jax.Array, olds, count) -> list:
   block = max(q.fmt.block_size for q in quant)
   if g.size == 0:
     return [o if _quant.is_qarray(o) else None for o in olds]
-  if strided(g, olds):
-    return _strided(moments, g, olds, _Rows(g.shape, block), count)
+  rows = _strided_rows(g, quant, block, CHUNK)
+  if rows is not None:
+    return _strided(moments, g, olds, rows, count)
   return _contiguous(moments, g, olds, block, count)
 
 
-def strided(g: jax.Array, olds, chunk: int | None = None) -> bool:
-  """Whether a leaf is stepped in strided chunks of rows (every quantized moment keeps
-  the leaf's leading axes, and the rows divide into chunks of about ``chunk`` elements,
-  :data:`CHUNK` by default)."""
-  quant = [o for o in olds if _quant.is_qarray(o)]
-  return bool(g.ndim and all(_lead_layout(q) for q in quant) and
-              _Rows(g.shape, max(q.fmt.block_size for q in quant), chunk).plan is not None)
+def _strided_rows(g: jax.Array, quant: list, block: int, chunk: int) -> _Rows | None:
+  """How a leaf is cut into strided chunks of rows of about ``chunk`` elements, where
+  every quantized moment in ``quant`` keeps the leaf's leading axes and the rows divide
+  into such chunks; else ``None`` (contiguous chunks)."""
+  if not g.ndim or not all(_lead_layout(q) for q in quant):
+    return None
+  rows = _Rows(g.shape, block, chunk)
+  return rows if rows.plan is not None else None
 
 
 def _lead_layout(q) -> bool:
@@ -154,8 +156,7 @@ class _Rows:
   """A leaf seen as ``(rows, *row)``: its axis 0 (a 1-D leaf: runs of ``block`` elements,
   the largest block of its moments), and how to cut the rows into strided chunks."""
 
-  def __init__(self, shape: tuple, block: int, chunk: int | None = None):
-    chunk = CHUNK if chunk is None else chunk
+  def __init__(self, shape: tuple, block: int, chunk: int):
     self.ndim = len(shape)
     if self.ndim >= 2:
       self.rows, self.row = shape[0], tuple(shape[1:])
@@ -288,9 +289,10 @@ def step_in_place(step: Callable, p: jax.Array, g: jax.Array, bufs, at, count) -
   block = max(q.fmt.block_size for q in quant)
   if p.size == 0:
     return p, tuple(bufs)
-  if all(a is None for a in at) and strided(p, quant, IN_PLACE_CHUNKS * CHUNK):
-    return _strided_in_place(step, p, g, bufs, _Rows(p.shape, block, IN_PLACE_CHUNKS * CHUNK),
-                             count)
+  rows = (_strided_rows(p, quant, block, IN_PLACE_CHUNKS * CHUNK)
+          if all(a is None for a in at) else None)
+  if rows is not None:
+    return _strided_in_place(step, p, g, bufs, rows, count)
   return _contiguous_in_place(step, p, g, bufs, at, block, count)
 
 
@@ -339,9 +341,7 @@ def _strided_in_place(step, p, g, bufs, rows: _Rows, count) -> tuple:
     return put(ps, new_p.astype(ps.dtype)), outs
 
   ps, outs = lax.fori_loop(0, rows.plan[1], body, (rows.split(rows.of(p)), list(map(split, bufs))))
-  stored = _stored(bufs, [x if _quant.is_qarray(b) else None for b, x in zip(bufs, outs)])
-  return ps.reshape(p.shape), tuple(
-      q if _quant.is_qarray(b) else x.reshape(b.shape) for b, q, x in zip(bufs, stored, outs))
+  return _in_place_result(p, bufs, ps, outs)
 
 
 def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
@@ -389,7 +389,11 @@ def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
     carry = lax.fori_loop(0, k, lambda i, c: part(i * size, size, c), carry)
   if n - k * size:
     carry = part(k * size, n - k * size, carry)
-  ps, outs = carry
+  return _in_place_result(p, bufs, *carry)
+
+
+def _in_place_result(p, bufs, ps, outs) -> tuple:
+  """An in-place loop's param and buffers, shaped as ``p`` and ``bufs`` were."""
   stored = _stored(bufs, [x if _quant.is_qarray(b) else None for b, x in zip(bufs, outs)])
   return ps.reshape(p.shape), tuple(
       q if _quant.is_qarray(b) else x.reshape(b.shape) for b, q, x in zip(bufs, stored, outs))

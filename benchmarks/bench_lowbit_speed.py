@@ -258,6 +258,19 @@ def main():
           nu_dtype=kind, multi_tensor=multi_tensor, backend="xla"), params)
       print(f"ak.fused_adamw {name}, XLA path, bytes per parameter: " +
             ", ".join(f"{k} {v:.3g}" for k, v in fused_xla[name].items()))
+  # bf16 params without a master copy and quantized moments: the one-pass forms
+  bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  for method in ("kahan", "stochastic"):
+    for kind in ("8bit", "4bit"):
+      name = f"bf16 params, {method}, {kind}"
+      opt_kw = dict(weight_decay=WD, weight_decay_mask=None, mu_dtype=kind, nu_dtype=kind)
+      fused_xla[name + ", chain"] = chain_memory(
+          ak.param_rounding(ak.adamw(LR, B1, B2, EPS, **opt_kw), method), bf16)
+      fused_xla[name + ", fused"] = fused_memory(
+          ak.fused_adamw(LR, B1, B2, EPS, param_rounding=method, **opt_kw), bf16)
+      for form in ("chain", "fused"):
+        print(f"{name}, {form} form, bytes per parameter: " +
+              ", ".join(f"{k} {v:.3g}" for k, v in fused_xla[f"{name}, {form}"].items()))
   print(f"load average (1, 5, 15 min): {os.getloadavg()}")
   path = common.write_json("bench_lowbit_speed" + ("_huge_pages" if huge else ""), {
       "shape": SHAPE, "reps": args.reps, "median_ms": med, "median_cpu_ms": med_cpu,

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import GOLDEN, load_ao_8bit_run
 from reference import round_4bit_mu
@@ -314,19 +315,27 @@ def test_other_formats_run_on_xla(kernel, kind, multi_tensor):
 @pytest.mark.parametrize("kind", ["8bit", "4bit"])
 @pytest.mark.parametrize("multi_tensor", [True, False])
 @pytest.mark.parametrize("shape", [(2048, 2048), (4194301,)])
-@pytest.mark.parametrize("donate", [(0,), (0, 1)])
-def test_xla_step_keeps_no_float32_moment(kind, multi_tensor, shape, donate):
+@pytest.mark.parametrize("form,donate", [("step", (0,)), ("step", (0, 1)), ("update", (0,))])
+def test_xla_step_keeps_no_float32_moment(kind, multi_tensor, shape, form, donate):
   """The fused step's XLA path (other devices, several devices, 4-bit, no kernel) at 4M
   params keeps no full-size float32 copy of m or v under jit (4 bytes per param each; the
   one-pass step kept 16), and no copy of the codes when the state is donated: it steps
   chunk by chunk in place, strided rows of a leaf whose codes keep its rows (the 2-D
-  per-leaf case), contiguous runs otherwise."""
+  per-leaf case), contiguous runs otherwise. Its optax form (``update``, then
+  ``optax.apply_updates``) takes the chain form's two passes, the state not donated."""
   opt = ak.fused_adamw(1e-3, mu_dtype=kind, nu_dtype=kind, weight_decay_mask=None,
                        multi_tensor=multi_tensor, backend="xla")
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   state = jax.eval_shape(opt.init, params)
-  step = jax.jit(lambda p, s, g: opt.step(p, s, grads=g), donate_argnums=donate)
-  temp = step.lower(params, state, params).compile().memory_analysis().temp_size_in_bytes
+
+  def step(p, s, g):
+    if form == "step":
+      return opt.step(p, s, grads=g)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  compiled = jax.jit(step, donate_argnums=donate).lower(params, state, params).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp / np.prod(shape) <= 1.0
 
 
