@@ -1,8 +1,8 @@
 """Low-bit optimizer states, section "speed": one AdamW step on 16M parameters, on CPU.
 
 One float32 leaf of 4096 x 4096, AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay
-0.01 on every parameter), gradients fixed. Rows, interleaved (see common.py) and reported
-as medians:
+0.01 on every parameter), gradients fixed. Rows, interleaved in a shuffled order per round
+(see common.py) and reported as medians:
 
 * ``ak.fused_adamw`` with 8-bit moments on its C++ kernel (dequantize, update, requantize
   in one pass per block of 256: read p, g and the 1-byte codes, write p and the codes, 16
@@ -228,7 +228,7 @@ def main():
   runners = {k: common.with_cpu_time(run, cpu[k]) for k, run in runners.items()}
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    times = common.interleave(runners, args.reps, warmup=3)
+    times = common.interleave(runners, args.reps, warmup=3, shuffle=True)
   del runners
   gc.collect()
   med = {k: common.median_ms(v) for k, v in times.items()}
