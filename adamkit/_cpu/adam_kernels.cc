@@ -1075,12 +1075,23 @@ class CodeSearch {
   template <bool nonneg>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"), always_inline)) inline __m512i
   Codes16(__m512 r) const {
+    return Codes16At<nonneg>(Base(), r);
+  }
+
+  // Codes16 with the table at `base` (Base()): a loop that holds the pointer in a register
+  // instead of reloading it through the search before every gather (a store to a float
+  // buffer might, for all the compiler knows, have moved the vector's data).
+  template <bool nonneg>
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"), always_inline)) static inline
+  __m512i Codes16At(const uint32_t* base, __m512 r) {
     __m512i t = _mm512_castps_si512(r);
     if (!nonneg) t = _mm512_mask_xor_epi32(t, _mm512_movepi32_mask(t), t, _mm512_set1_epi32(0x7FFFFFFF));
-    const __m512i entry = _mm512_i32gather_epi32(_mm512_srai_epi32(t, kShift),
-                                                 table_.data() + kBuckets / 2, 4);
+    const __m512i entry = _mm512_i32gather_epi32(_mm512_srai_epi32(t, kShift), base, 4);
     return _mm512_add_epi32(entry, t);
   }
+
+  // The table's middle bucket (key 0), what Codes16At() indexes from.
+  const uint32_t* Base() const { return table_.data() + kBuckets / 2; }
 #endif
 
  private:
@@ -1482,11 +1493,11 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QDecode64(const BookPl
   x[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), scale);
 }
 
-// Codes16 of x[0 .. 16) * inv.
+// Codes16 of x[0 .. 16) * inv, by the table at `base` (CodeSearch::Base()).
 template <bool nonneg>
-ADAMKIT_AVX512 __attribute__((always_inline)) inline __m512i QCodes16(const CodeSearch& search,
+ADAMKIT_AVX512 __attribute__((always_inline)) inline __m512i QCodes16(const uint32_t* base,
                                                                      const float* x, __m512 inv) {
-  return search.Codes16<nonneg>(_mm512_mul_ps(_mm512_load_ps(x), inv));
+  return CodeSearch::Codes16At<nonneg>(base, _mm512_mul_ps(_mm512_load_ps(x), inv));
 }
 
 // Stores the 64 codes of c[q] (elements 16q .. 16q + 15, QCodes16's lanes) at out: byte 2
@@ -1506,7 +1517,7 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QEncode64(const CodeSe
                                                                     __m512i pick, const float* x,
                                                                     __m512 inv, uint8_t* out) {
   __m512i c[4];
-  for (int q = 0; q < 4; ++q) c[q] = QCodes16<nonneg>(search, x + 16 * q, inv);
+  for (int q = 0; q < 4; ++q) c[q] = QCodes16<nonneg>(search.Base(), x + 16 * q, inv);
   QStoreCodes64(pick, c, out);
 }
 
@@ -1534,6 +1545,8 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QBlockAvx512(
   constexpr bool sum = kind == kAdamax;
   const uint8_t* code_m = bufs[0].codes + blk_m * block;
   const uint8_t* code_v = bufs[1].codes + blk_v * block;
+  const uint32_t* table_m = bufs[0].search->Base();
+  const uint32_t* table_v = bufs[1].search->Base();
   const bool finite_scale = std::isfinite(bufs[0].scales[blk_m]);
   const __m512 scale_m = _mm512_set1_ps(bufs[0].scales[blk_m]);
   const __m512 scale_v = _mm512_set1_ps(bufs[1].scales[blk_v]);
@@ -1558,8 +1571,8 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QBlockAvx512(
     __m512i cm[4], cv[4];
     for (int q = 0; q < 4; ++q) {
       if (encode_prev) {
-        cm[q] = QCodes16<false>(*bufs[0].search, prev_m + i + 16 * q, inv_m);
-        cv[q] = QCodes16<true>(*bufs[1].search, prev_v + i + 16 * q, inv_v);
+        cm[q] = QCodes16<false>(table_m, prev_m + i + 16 * q, inv_m);
+        cv[q] = QCodes16<true>(table_v, prev_v + i + 16 * q, inv_v);
       }
       __m512 pq = _mm512_loadu_ps(p + i + 16 * q);
       QStep16<kind, nesterov, decay>(k, _mm512_loadu_ps(g + i + 16 * q), pq, m[q], v[q]);
