@@ -2030,19 +2030,20 @@ bool RequantHasAvx512() {
   return has;
 }
 
-// Codes of x[0 .. 64) * inv (CodeSearch::Codes16, byte 2 of each lane), stored at out.
+// Codes of x[0 .. 16) * inv (CodeSearch::Codes16At, byte 2 of each lane, the table at
+// `table`), stored at out.
 template <bool nonneg>
-ADAMKIT_REQUANT_AVX512 __attribute__((always_inline)) inline void RequantEncode64(
-    const CodeSearch& search, const float* x, __m512 inv, uint8_t* out) {
-  for (int64_t q = 0; q < 4; ++q) {
-    const __m512i t = search.Codes16<nonneg>(_mm512_mul_ps(_mm512_load_ps(x + 16 * q), inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * q),
-                     _mm512_cvtepi32_epi8(_mm512_srli_epi32(t, 16)));
-  }
+ADAMKIT_REQUANT_AVX512 __attribute__((always_inline)) inline void RequantEncode16(
+    const uint32_t* table, const float* x, __m512 inv, uint8_t* out) {
+  const __m512i t = CodeSearch::Codes16At<nonneg>(table, _mm512_mul_ps(_mm512_load_ps(x), inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_srli_epi32(t, 16)));
 }
 
 // Blocks [lo, hi), all whole. The codes of block j - 1 are encoded in the loop that decodes
-// and steps block j (its gathers from the code table then overlap the permutes).
+// and steps block j, sixteen before each step of sixteen: their gathers from the code
+// table then overlap the permutes and the arithmetic (as in QBlockAvx512; measured in a
+// C++ harness against all 64 after the steps: 16% less time in cache on one thread, 9%
+// from memory on two).
 template <int64_t kind, bool amsgrad>
 ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const float* g,
                                                    const QBuffer* in, const QBuffer* out,
@@ -2053,7 +2054,11 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
   const __m512 zero = _mm512_setzero_ps();
   const __m512i order = LaneOrder();
   BookPlanes books[nstate];
-  for (int64_t s = 0; s < nstate; ++s) LoadPlanes(in[s].book, &books[s]);
+  const uint32_t* tables[nstate];
+  for (int64_t s = 0; s < nstate; ++s) {
+    LoadPlanes(in[s].book, &books[s]);
+    tables[s] = out[s].search->Base();
+  }
   alignas(64) float x[2][nstate][kRequantMaxBlock];  // [block parity][moment]
   bool pending = false;  // block j - 1's codes are still to be written (from x[(j - 1) & 1])
   __m512 inv[nstate];    // and the reciprocals of its scales
@@ -2081,6 +2086,13 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
       __m512 y[nstate][4];
       for (int64_t s = 0; s < nstate; ++s) QDecode64(books[s], order, code[s] + i, scale[s], y[s]);
       for (int64_t q = 0; q < 4; ++q) {
+        if (pending) {
+          const int64_t at = i + 16 * q;
+          RequantEncode16<false>(tables[0], prev[0] + at, inv[0], prev_code[0] + at);
+          for (int64_t s = 1; s < nstate; ++s) {
+            RequantEncode16<true>(tables[s], prev[s] + at, inv[s], prev_code[s] + at);
+          }
+        }
         const __m512 gi = _mm512_loadu_ps(gj + i + 16 * q);
         y[0][q] = _mm512_add_ps(_mm512_mul_ps(b1, y[0][q]), _mm512_mul_ps(omb1, gi));
         if (kind == kAdamax) {
@@ -2102,12 +2114,6 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
           amax[s] = _mm512_max_ps(amax[s], _mm512_abs_ps(y[s][q]));
         }
       }
-      if (pending) {
-        RequantEncode64<false>(*out[0].search, prev[0] + i, inv[0], prev_code[0] + i);
-        for (int64_t s = 1; s < nstate; ++s) {
-          RequantEncode64<true>(*out[s].search, prev[s] + i, inv[s], prev_code[s] + i);
-        }
-      }
     }
     pending = bad == 0;
     for (int64_t s = 0; s < nstate; ++s) {
@@ -2122,12 +2128,12 @@ ADAMKIT_REQUANT_AVX512 void RequantizeBlocksAvx512(const Scalars& sc, const floa
   }
   if (pending) {  // the last block's codes
     for (int64_t s = 0; s < nstate; ++s) {
-      for (int64_t i = 0; i < block; i += 64) {
+      for (int64_t i = 0; i < block; i += 16) {
         uint8_t* dst = out[s].codes + (hi - 1) * block + i;
         if (s == 0) {
-          RequantEncode64<false>(*out[0].search, x[(hi - 1) & 1][0] + i, inv[0], dst);
+          RequantEncode16<false>(tables[0], x[(hi - 1) & 1][0] + i, inv[0], dst);
         } else {
-          RequantEncode64<true>(*out[s].search, x[(hi - 1) & 1][s] + i, inv[s], dst);
+          RequantEncode16<true>(tables[s], x[(hi - 1) & 1][s] + i, inv[s], dst);
         }
       }
     }
