@@ -1332,6 +1332,12 @@ __attribute__((target("avx2"), always_inline)) inline void QBlockAvx2(
   for (int64_t i = 0; i < block; i += 8) {
     __m256 m = QDecode8(code_m + i, bufs[0].book, scale_m);
     __m256 v = QDecode8(code_v + i, bufs[1].book, scale_v);
+    // The previous block's codes before this step, not after it (as in QBlockAvx512; a C++
+    // harness, 16.8M parameters from memory on two threads: 20-40% less time, 3% in cache).
+    if (encode_prev) {
+      QEncode8<false>(*bufs[0].search, prev_m + i, inv_m, prev_code_m + i);
+      QEncode8<true>(*bufs[1].search, prev_v + i, inv_v, prev_code_v + i);
+    }
     __m256 pi = _mm256_loadu_ps(p + i);
     QStep8<kind, nesterov, decay>(k, _mm256_loadu_ps(g + i), pi, m, v);
     _mm256_storeu_ps(p + i, pi);
@@ -1341,10 +1347,6 @@ __attribute__((target("avx2"), always_inline)) inline void QBlockAvx2(
     _mm256_store_ps(xv + i, v);
     amax_m = _mm256_max_ps(amax_m, _mm256_and_ps(m, magnitude));
     amax_v = _mm256_max_ps(amax_v, _mm256_and_ps(v, magnitude));
-    if (encode_prev) {
-      QEncode8<false>(*bufs[0].search, prev_m + i, inv_m, prev_code_m + i);
-      QEncode8<true>(*bufs[1].search, prev_v + i, inv_v, prev_code_v + i);
-    }
   }
   bufs[0].scales[blk_m] = std::max(QMax8(amax_m), kScaleFloor);
   bufs[1].scales[blk_v] = std::max(QMax8(amax_v), kScaleFloor);
@@ -1390,8 +1392,8 @@ __attribute__((target("avx2"))) void QuantBlocksAvx2(const QLeaf& l, const QBuff
 // The same pass in AVX-512 (with VBMI's byte permutes), for blocks of 64 or more: 64
 // elements per iteration, and no gather to decode. The code book's 256 floats are held as
 // four planes of 256 bytes (byte k of each float), each plane sixteen zmm registers' worth;
-// a byte of every one of 64 codes is two two-table permutes and a blend on the code's top
-// bit, and the four planes interleave back into floats. Interleaving works within 128-bit
+// a byte of every one of 64 codes is two two-table permutes, merge-masked on the code's
+// top bit, and the four planes interleave back into floats. Interleaving works within 128-bit
 // lanes, so the codes enter in the order LaneOrder() (element 16q + 4l + j at 16l + 4q + j).
 #define ADAMKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
 
