@@ -1071,16 +1071,10 @@ class CodeSearch {
     }
   }
 
-  // Codes8 on sixteen lanes, each in byte 2 of its lane (the other bytes are not zero).
-  template <bool nonneg>
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"), always_inline)) inline __m512i
-  Codes16(__m512 r) const {
-    return Codes16At<nonneg>(Base(), r);
-  }
-
-  // Codes16 with the table at `base` (Base()): a loop that holds the pointer in a register
-  // instead of reloading it through the search before every gather (a store to a float
-  // buffer might, for all the compiler knows, have moved the vector's data).
+  // Codes8 on sixteen lanes, each in byte 2 of its lane (the other bytes are not zero), by
+  // the table at `base` (Base()): a static function, so that a loop holds the pointer in a
+  // register instead of reloading it through the search before every gather (a store to a
+  // float buffer might, for all the compiler knows, have moved the vector's data).
   template <bool nonneg>
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi"), always_inline)) static inline
   __m512i Codes16At(const uint32_t* base, __m512 r) {
@@ -1495,7 +1489,7 @@ ADAMKIT_AVX512 __attribute__((always_inline)) inline void QDecode64(const BookPl
   x[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), scale);
 }
 
-// Codes16 of x[0 .. 16) * inv, by the table at `base` (CodeSearch::Base()).
+// CodeSearch::Codes16At of x[0 .. 16) * inv, by the table at `base` (CodeSearch::Base()).
 template <bool nonneg>
 ADAMKIT_AVX512 __attribute__((always_inline)) inline __m512i QCodes16(const uint32_t* base,
                                                                      const float* x, __m512 inv) {
@@ -2014,7 +2008,7 @@ MomentFn PickMoments(int64_t kind, bool amsgrad) {
 // The pass in AVX-512 (with VBMI), for whole blocks of 64 to kRequantMaxBlock elements whose
 // code books have CodeSearch's table: 64 elements per step, the old moments decoded by the
 // fused step's byte permutes (QDecode64), stepped (MomentRows' operations), kept in a stack
-// buffer with the block's largest magnitudes, then encoded by CodeSearch::Codes16 (the
+// buffer with the block's largest magnitudes, then encoded by CodeSearch::Codes16At (the
 // code in byte 2 of each lane). Sanitize's work is left out where every new moment is
 // finite (a second moment is then non-negative: b2 v + (1 - b2) g^2 of a decoded v >= 0,
 // and AdaMax's max(b2 v, |g|)); a block with a NaN or an infinity goes through
