@@ -57,10 +57,10 @@ def interleave(runners: dict[str, Callable[[], float]], reps: int,
   """Runs every runner ``warmup + reps`` times, round-robin; returns the timed seconds.
 
   ``shuffle``: each round in its own order (seeded, the same in every run). In a fixed
-  order a runner always follows the same one and pays for what that one leaves behind
-  (dirty cache lines to write back, threads going to sleep): measured in
-  bench_lowbit_speed.py, the step that followed torch's foreach AdamW took 0.4-0.5 ms
-  (5%) longer than after torch's fused step.
+  order a runner always follows the same one and pays for whatever that one leaves
+  behind: measured in bench_lowbit_speed.py, the fused 8-bit step that followed torch's
+  foreach AdamW took 0.4-0.5 ms (5%) longer than after torch's fused step (torch's fused
+  step, put there, paid nothing measurable).
   """
   times = {k: [] for k in runners}
   order = list(runners)
