@@ -58,9 +58,9 @@ def interleave(runners: dict[str, Callable[[], float]], reps: int,
 
   ``shuffle``: each round in its own order (seeded, the same in every run). In a fixed
   order a runner always follows the same one and pays for whatever that one leaves
-  behind: measured in bench_lowbit_speed.py, the fused 8-bit step that followed torch's
-  foreach AdamW took 0.4-0.5 ms (5%) longer than after torch's fused step (torch's fused
-  step, put there, paid nothing measurable).
+  behind: with bench_lowbit_speed.py's contenders (a short script timing them in turn),
+  the fused 8-bit step that followed torch's foreach AdamW took 0.4-0.5 ms (5%) longer than
+  after torch's fused step (torch's fused step, put there, paid nothing measurable).
   """
   times = {k: [] for k in runners}
   order = list(runners)
