@@ -1,6 +1,7 @@
 """Small shims over JAX APIs that moved between the versions adamkit supports (jax >= 0.10).
 
-Only what :mod:`adamkit._offload` needs lives here; each shim names the versions it bridges.
+Every version-dependent JAX API adamkit uses goes through this module; each shim names the
+versions it bridges (checked on jax 0.10.2 and 0.12.0.1).
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ from typing import Any
 
 import jax
 from jax.experimental import compute_on as _compute_on_mod
+
+try:  # jax <= 0.11; removed in jax 0.12
+  from jax.experimental.shard_alike import shard_alike as _shard_alike
+except ImportError:
+  _shard_alike = None
 
 # Where a traced array lives, for jax.device_put inside jit (jax.memory.Space: jax >= 0.7;
 # adamkit requires jax >= 0.10, the first release whose jit keeps host-placed outputs in
@@ -54,3 +60,32 @@ def on_host(fn: Callable[..., Any], out_spaces: Any) -> Callable[..., Any]:
     A function with ``fn``'s signature. Its inputs should already be in host memory.
   """
   return _FUNCTION_FORM(fn, compute_type="device_host", out_memory_spaces=out_spaces)
+
+
+def known_sharding(x: Any) -> Any:
+  """``x``'s sharding where it is known at trace time, else ``None``: a concrete array's
+  own, or a traced one's on a mesh with Explicit axes (its type carries it)."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return x.sharding
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  return sharding
+
+
+def tie_sharding(new: Any, old: Any) -> Any:
+  """``new`` laid out as ``old`` (same shape).
+
+  * jax <= 0.11: ``jax.experimental.shard_alike`` (the partitioner ties the two, also
+    inside ``jit`` in Auto mode).
+  * jax 0.12 removed it: ``old``'s sharding where it is known (:func:`known_sharding`) is
+    imposed with ``jax.lax.with_sharding_constraint``; inside ``jit`` in Auto mode, where
+    it is not, ``new`` is left to the partitioner and the ``jit``'s ``out_shardings``.
+  """
+  if _shard_alike is not None:
+    return _shard_alike(new, old)[0]
+  sharding = known_sharding(old)
+  if sharding is None or getattr(sharding, "memory_kind", None) not in (None, "device"):
+    return new
+  return jax.lax.with_sharding_constraint(new, sharding)

@@ -47,11 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental.shard_alike import shard_alike
 
 from adamkit import (
   _adam,
   _backend,
+  _compat,
   _links,
   _masks,
   _ops,
@@ -365,7 +365,7 @@ def _keep_shardings(new: list, old: list, multi_tensor: bool) -> list:
   Nothing to tie on one device."""
   if not multi_tensor or _backend.placement(*old) in (_backend.ONE_CPU, _backend.TRACED_ONE_CPU):
     return new
-  return [n if _is_rs(n) else shard_alike(n, o)[0] for n, o in zip(new, old)]
+  return [n if _is_rs(n) else _compat.tie_sharding(n, o) for n, o in zip(new, old)]
 
 
 def _is_rs(x) -> bool:
