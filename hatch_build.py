@@ -12,11 +12,12 @@ The kernel is optional: without a C++ compiler (or with ``ADAMKIT_NO_KERNEL=1``)
 prints why and builds a pure-Python wheel, and every adamkit operation uses its pure-JAX
 path.
 For an editable install the library is written next to its source
-(``adamkit/_cpu/libadamkit_cpu.so``, ignored by git), where the package looks for it.
+(``adamkit/_cpu/libadamkit_cpu-jaxlib<version>.so``, ignored by git), where the package looks for it.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -26,7 +27,6 @@ import sys
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 SOURCE = pathlib.Path("adamkit") / "_cpu" / "adam_kernels.cc"
-LIBRARY = pathlib.Path("adamkit") / "_cpu" / "libadamkit_cpu.so"
 
 
 def _build_module(root: pathlib.Path):
@@ -38,29 +38,33 @@ def _build_module(root: pathlib.Path):
   return module
 
 
-def compile_kernel(root: pathlib.Path) -> str | None:
-  """Compiles the kernel in place; returns None, or the reason it was not built."""
+def compile_kernel(root: pathlib.Path) -> tuple[pathlib.Path | None, str | None]:
+  """Compiles the kernel in place; returns ``(library, None)``, or ``(None, the reason it
+  was not built)``. The library's name carries the build environment's jaxlib version."""
   if os.environ.get("ADAMKIT_NO_KERNEL"):
-    return "ADAMKIT_NO_KERNEL is set"
+    return None, "ADAMKIT_NO_KERNEL is set"
   try:
     import jax  # noqa: PLC0415 - only the build environment needs it
     include = jax.ffi.include_dir()
+    jaxlib = importlib.metadata.version("jaxlib")
   except Exception as e:  # noqa: BLE001 - any failure means: no kernel
-    return f"jax (for the XLA FFI headers) is not importable: {e}"
-  cmd = _build_module(root).compile_command(root / SOURCE, root / LIBRARY, include)
+    return None, f"jax (for the XLA FFI headers) is not importable: {e}"
+  build = _build_module(root)
+  library = pathlib.Path("adamkit") / "_cpu" / build.library_name(jaxlib)
+  cmd = build.compile_command(root / SOURCE, root / library, include)
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
   except OSError as e:
-    return f"no C++ compiler: {e}"
+    return None, f"no C++ compiler: {e}"
   if done.returncode != 0:
-    return f"compiling failed:\n{done.stderr[-2000:]}"
-  return None
+    return None, f"compiling failed:\n{done.stderr[-2000:]}"
+  return library, None
 
 
 class CustomBuildHook(BuildHookInterface):
   def initialize(self, version, build_data):
     root = pathlib.Path(self.root)
-    why = compile_kernel(root)
+    library, why = compile_kernel(root)
     if why is not None:
       print(f"adamkit: building without the CPU kernel ({why}); "
             "ak.fused_adam will use its pure-JAX path.", file=sys.stderr)
@@ -68,4 +72,4 @@ class CustomBuildHook(BuildHookInterface):
     # A compiled library makes the wheel platform-specific.
     build_data["pure_python"] = False
     build_data["infer_tag"] = True
-    build_data["force_include"][str(root / LIBRARY)] = str(LIBRARY)
+    build_data["force_include"][str(root / library)] = str(library)

@@ -74,6 +74,9 @@ from adamkit._rounding import (
 )
 from adamkit._schedules import as_schedule
 
+# Planning memory for a TPU or GPU from a machine without one (deviceless compilation).
+from adamkit._targets import MemoryReport, memory_report
+
 # Sparse Adam for embedding tables.
 from adamkit._sparse import (
     ScaleBySparseAdamState,
@@ -118,4 +121,6 @@ __all__ = [
     "KahanState",
     # low-bit optimizer states
     "Quantized", "QuantizedArray",
+    # memory on a target, from a deviceless compile
+    "memory_report", "MemoryReport",
 ]

@@ -19,15 +19,23 @@ The rule (``backend`` is the user's argument):
    forced. The kernel has no sharding rule; XLA would gather a sharded array onto one
    device and return it replicated, silently. XLA's own step keeps every sharding.
 5. Inside ``jit`` the placement of a traced array is unknown (but on a mesh with Explicit
-   axes, where its type carries its sharding, see 4): ``"auto"`` runs the kernel
-   only when the process has exactly one device, a CPU; ``"kernel"`` runs it (the caller
-   vouches that the arrays are on one CPU device, e.g. inside a host-compute region).
+   axes, where its type carries its sharding, see 4), and so is the platform the program
+   will be compiled for: a TPU or GPU step may be traced by a CPU-only process (JAX's
+   deviceless compilation) and a CPU step by a TPU host. ``"auto"`` traces both the
+   kernel and XLA's step when the process has exactly one CPU device, and the platform
+   the program is *lowered* for picks one (``jax.lax.platform_dependent``: the kernel on
+   "cpu", XLA's step elsewhere; the other branch is dropped before XLA sees it), never
+   ``jax.default_backend()``. With several CPU devices it is XLA. ``"kernel"`` runs the
+   kernel (the caller vouches that the arrays are on one CPU device, e.g. inside a
+   host-compute region; compiled for a TPU or GPU such a program fails to compile: XLA
+   finds no handler for the kernel's custom call there).
 6. ``"auto"`` also leaves work too small for a kernel call to XLA (a per-leaf dense step
    on a leaf below :data:`MIN_LEAF` elements: XLA's fused loop is cheaper).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -75,9 +83,18 @@ def placement(*arrays: Any) -> str:
     return ONE_CPU if next(iter(devices)).platform == "cpu" else NOT_CPU
   if not traced:  # NumPy inputs: they land on the default device
     return ONE_CPU if jax.default_backend() == "cpu" else NOT_CPU
-  if jax.default_backend() != "cpu":
+  cpus = _cpu_count()
+  if not cpus:
     return TRACED_NOT_CPU
-  return TRACED_ONE_CPU if jax.device_count() == 1 else TRACED_CPU
+  return TRACED_ONE_CPU if cpus == 1 else TRACED_CPU
+
+
+def _cpu_count() -> int:
+  """The process's CPU devices (0 where the CPU backend is switched off)."""
+  try:
+    return len(jax.devices("cpu"))
+  except RuntimeError:
+    return 0
 
 
 def decide(backend: str, *, built: bool, fits: bool, where: str, big_enough: bool = True) -> bool:
@@ -115,12 +132,15 @@ def _takes(a: Any, quantized: bool) -> bool:
 
 def use_kernel(backend: str, *arrays, ids=None, num_rows: int | None = None,
                fits: bool = True, big_enough: bool = True, quantized: bool = False,
-               narrow: tuple = ()) -> bool:
+               narrow: tuple = ()) -> bool | str:
   """:func:`decide` for one operation on ``arrays`` (and, for row ops, ``ids`` of a
   ``num_rows``-row table); ``fits``: the caller's own layout condition; ``quantized``: the
   operation's kernel takes "8bit" quantized moments (others never do); ``narrow``: more
   arrays of the operation that its kernel takes in bfloat16 or float32 (the rounded dense
-  step's params, gradients and Kahan buffers; the caller checks which must be which)."""
+  step's params, gradients and Kahan buffers; the caller checks which must be which).
+
+  Returns ``False`` (XLA), :data:`NOW` (the kernel) or :data:`TARGET` (traced where the
+  target is not known yet: :func:`run` lets the lowering platform pick)."""
   fits = fits and all(_takes(a, quantized) for a in arrays) and all(
       getattr(a, "dtype", None) in (jnp.bfloat16, jnp.float32) for a in narrow)
   arrays = (*arrays, *narrow)
@@ -128,4 +148,28 @@ def use_kernel(backend: str, *arrays, ids=None, num_rows: int | None = None,
     fits = fits and _kernel_ids(ids) and num_rows <= np.iinfo(np.int32).max
   arrays = [x for a in arrays for x in ((a.codes, a.scales) if _quant.is_qarray(a) else (a,))]
   where = placement(*arrays, *(() if ids is None else (ids,)))
-  return decide(backend, built=kernel_built(), fits=fits, where=where, big_enough=big_enough)
+  if not decide(backend, built=kernel_built(), fits=fits, where=where, big_enough=big_enough):
+    return False
+  return TARGET if where == TRACED_ONE_CPU and backend == "auto" else NOW
+
+
+NOW, TARGET = "now", "target"  # use_kernel's yes: the kernel itself, or by the target
+
+
+def run(choice: Any, kernel: Callable[[], Any], xla: Callable[[], Any]) -> Any:
+  """``kernel()`` or ``xla()`` (same outputs) as :func:`use_kernel` chose: ``xla()`` for
+  ``False``, ``kernel()`` for ``NOW``, and for ``TARGET`` whichever the platform the
+  program is lowered for takes (:func:`on_cpu`)."""
+  if not choice:
+    return xla()
+  if choice == NOW:
+    return kernel()
+  return on_cpu(kernel, xla)
+
+
+def on_cpu(cpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
+  """``cpu()`` where the program is compiled for a CPU, ``other()`` where it is compiled
+  for a TPU or GPU (both traced; ``jax.lax.platform_dependent`` keeps the one of the
+  lowering platform, outside ``jit`` the default backend's). Their outputs must have the
+  same structure, shapes and dtypes."""
+  return jax.lax.platform_dependent(cpu=cpu, default=other)

@@ -17,6 +17,7 @@ try:  # jax <= 0.11; removed in jax 0.12
   from jax.experimental.shard_alike import shard_alike as _shard_alike
 except ImportError:
   _shard_alike = None
+TIES_SHARDINGS = _shard_alike is not None  # tie_sharding also works inside jit in Auto mode
 
 # Where a traced array lives, for jax.device_put inside jit (jax.memory.Space: jax >= 0.7;
 # adamkit requires jax >= 0.10, the first release whose jit keeps host-placed outputs in
@@ -81,7 +82,8 @@ def tie_sharding(new: Any, old: Any) -> Any:
     inside ``jit`` in Auto mode).
   * jax 0.12 removed it: ``old``'s sharding where it is known (:func:`known_sharding`) is
     imposed with ``jax.lax.with_sharding_constraint``; inside ``jit`` in Auto mode, where
-    it is not, ``new`` is left to the partitioner and the ``jit``'s ``out_shardings``.
+    it is not, ``new`` is left to the partitioner: pass ``out_shardings`` to ``jit`` (or
+    use Explicit mesh axes) where the layout matters.
   """
   if _shard_alike is not None:
     return _shard_alike(new, old)[0]

@@ -28,7 +28,7 @@ def build_cpu_kernel(output: str | os.PathLike | None = None, *, compiler: str |
 
   Args:
     output: where to write the library (default: where it is looked for,
-      ``adamkit/_cpu/libadamkit_cpu.so`` or ``$ADAMKIT_CPU_KERNEL``).
+      ``adamkit/_cpu/libadamkit_cpu-jaxlib<version>.so`` or ``$ADAMKIT_CPU_KERNEL``).
     compiler: the C++ compiler (default ``$CXX`` or ``c++``).
     verbose: print the compiler command.
 

@@ -198,18 +198,21 @@ def dense_step(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array]
   sizes = [p.size for p in params]
   contiguous = at is None or (all(a == offsets[0] for a in offsets) and all(
       offsets[0][j + 1] == offsets[0][j] + sizes[j] for j in range(len(params) - 1)))
-  if _backend.use_kernel(backend, *params, *grads, *state, fits=contiguous,
-                         big_enough=at is not None or sum(sizes) >= _backend.MIN_LEAF):
+  choice = _backend.use_kernel(backend, *params, *grads, *state, fits=contiguous,
+                              big_enough=at is not None or sum(sizes) >= _backend.MIN_LEAF)
+
+  def kernel():
     variant, s = _kernel_args(h)
-    out = []
+    out, bufs = [], state
     for lo in range(0, len(params), LEAVES_PER_CALL):
       hi = min(lo + LEAVES_PER_CALL, len(params))
-      ps, state = _backend.native_ffi.dense_step(
-          variant, s, params[lo:hi], grads[lo:hi], state, decay=decay,
+      ps, bufs = _backend.native_ffi.dense_step(
+          variant, s, params[lo:hi], grads[lo:hi], bufs, decay=decay,
           offset=0 if at is None else offsets[0][lo])
       out += ps
-    return out, state
-  return _dense_xla(_dense_leaf, h, params, grads, state, offsets, decay)
+    return out, bufs
+  return _backend.run(choice, kernel,
+                      lambda: _dense_xla(_dense_leaf, h, params, grads, state, offsets, decay))
 
 
 def dense_update(h: Hyper, params: Sequence[jax.Array], grads: Sequence[jax.Array], state, *,
@@ -251,29 +254,34 @@ def rounded_dense_step(h: Hyper, r: Rounding, params: Sequence[jax.Array],
       offsets[0][j + 1] == offsets[0][j] + sizes[j] for j in range(len(params) - 1)))
   fits = contiguous and all(p.dtype == jnp.bfloat16 for p in params) and all(
       g.dtype == grads[0].dtype for g in grads)
-  if _backend.use_kernel(backend, *state, narrow=(*params, *grads, *r.comps), fits=fits,
-                         big_enough=at is not None or sum(sizes) >= _backend.MIN_LEAF):
+  choice = _backend.use_kernel(backend, *state, narrow=(*params, *grads, *r.comps), fits=fits,
+                              big_enough=at is not None or sum(sizes) >= _backend.MIN_LEAF)
+
+  def kernel():
     variant, s = _kernel_args(h)
-    out, comps = [], []
+    out, comps, bufs = [], [], state
     for lo in range(0, len(params), LEAVES_PER_CALL):
       hi = min(lo + LEAVES_PER_CALL, len(params))
       keys = jnp.stack([w for k in r.keys[lo:hi] for w in k]) if r.method == "stochastic" else None
-      ps, state, cs = _backend.native_ffi.dense_step_rounded(
-          variant, s, r.method, params[lo:hi], grads[lo:hi], state, keys=keys,
+      ps, bufs, cs = _backend.native_ffi.dense_step_rounded(
+          variant, s, r.method, params[lo:hi], grads[lo:hi], bufs, keys=keys,
           comps=r.comps[lo:hi] if r.method == "kahan" else None, decay=decay,
           offset=0 if at is None else offsets[0][lo])
       out += ps
       comps += cs
-    return out, state, tuple(comps)
-  out, comps = [], []
-  for j, (p, g) in enumerate(zip(params, grads)):
-    olds = [_load(buf, a[j], p.shape) for buf, a in zip(state, offsets)]
-    step, *news = _leaf_update(h, p.astype(jnp.float32), g.astype(jnp.float32), olds, decay)
-    new_p, c = _round(r, j, p, step)
-    out.append(new_p)
-    comps.append(c)
-    state = tuple(_store(buf, a[j], x, h.step) for buf, a, x in zip(state, offsets, news))
-  return out, state, tuple(comps) if r.method == "kahan" else ()
+    return out, bufs, tuple(comps)
+
+  def xla():
+    out, comps, bufs = [], [], state
+    for j, (p, g) in enumerate(zip(params, grads)):
+      olds = [_load(buf, a[j], p.shape) for buf, a in zip(bufs, offsets)]
+      step, *news = _leaf_update(h, p.astype(jnp.float32), g.astype(jnp.float32), olds, decay)
+      new_p, c = _round(r, j, p, step)
+      out.append(new_p)
+      comps.append(c)
+      bufs = tuple(_store(buf, a[j], x, h.step) for buf, a, x in zip(bufs, offsets, news))
+    return out, bufs, tuple(comps) if r.method == "kahan" else ()
+  return _backend.run(choice, kernel, xla)
 
 
 def _check_rounding(r: Rounding, params) -> None:
@@ -395,9 +403,11 @@ def _dense_quantized(h: Hyper, params, grads, state, offsets, flat: bool, decay:
   contiguous = not flat or all(
       a[j + 1] == a[j] + _span(buf, params[j].size)
       for buf, a in zip(state, offsets) for j in range(len(params) - 1))
-  if _backend.use_kernel(backend, *params, *grads, *state, fits=contiguous and len(blocks) == 1,
-                         quantized=True,
-                         big_enough=flat or sum(p.size for p in params) >= _backend.MIN_LEAF):
+  choice = _backend.use_kernel(backend, *params, *grads, *state,
+                              fits=contiguous and len(blocks) == 1, quantized=True,
+                              big_enough=flat or sum(p.size for p in params) >= _backend.MIN_LEAF)
+
+  def kernel():
     variant, s = _kernel_args(h)
     ffi = _backend.native_ffi
     kstate = tuple(ffi.Codes(b.codes, b.scales, _quant.code_book(b.fmt.kind, b.fmt.role),
@@ -411,10 +421,10 @@ def _dense_quantized(h: Hyper, params, grads, state, offsets, flat: bool, decay:
       ps, kstate = ffi.dense_step_quantized(variant, s, params[lo:hi], grads[lo:hi], kstate,
                                             offsets=starts, block=block, decay=decay)
       out += ps
-    state = tuple(dataclasses.replace(b, codes=k.codes, scales=k.scales)
-                  if _quant.is_qarray(b) else k for b, k in zip(state, kstate))
-    return out, state
-  return _dense_xla(_dense_leaf, h, params, grads, state, offsets, decay)
+    return out, tuple(dataclasses.replace(b, codes=k.codes, scales=k.scales)
+                      if _quant.is_qarray(b) else k for b, k in zip(state, kstate))
+  return _backend.run(choice, kernel,
+                      lambda: _dense_xla(_dense_leaf, h, params, grads, state, offsets, decay))
 
 
 def _dense_xla(leaf_fn, h: Hyper, params, grads, state, offsets, decay: bool):
@@ -518,12 +528,21 @@ def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
   ``num_rows``, dropped by scatters), one direction row each (compute dtype on XLA,
   float32 on the kernel), the new moments."""
   state, at = _check_row_step(h, g, state, table_shape, at)
-  if _use_row_kernel(backend, g, state, at):
+
+  def kernel():
     variant, s = _kernel_args(h)
-    ids, u, state = _backend.native_ffi.sparse_lazy(
+    ids, u, new = _backend.native_ffi.sparse_lazy(
         variant, s, g.indices, g.values, state, row_shape=table_shape[1:],
         num_rows=g.num_rows, offset=at[0] or 0, merge=merge)
-    return ids, u, state
+    # the same types as XLA's step (the ids' dtype is safe_ids')
+    return ids.astype(safe_ids(g.indices[:0], g.num_rows).dtype), u.astype(g.values.dtype), new
+  return _backend.run(_use_row_kernel(backend, g, state, at), kernel,
+                      lambda: _lazy_rows_xla(h, g, state, table_shape, at, merge, split))
+
+
+def _lazy_rows_xla(h: Hyper, g: RowSparse, state, table_shape: tuple, at, merge: bool, split):
+  """:func:`lazy_rows` in XLA: row-sharded tables shard by shard, else gather, step and
+  scatter the touched rows."""
   layout = _row_layout(h, state, at, split)
   if layout is not None:  # a row-sharded table: each shard updates the rows it owns
     m, v = state
@@ -585,14 +604,18 @@ def lazy_row_step(h: Hyper, p, g: RowSparse, state, *, at: Sequence[int | None] 
   if decay and not h.decoupled:
     raise ValueError("The lazy row step decays decoupled only; add L2 decay to the rows first.")
   state, at = _check_row_step(h, g, state, p.shape, at)
-  if _use_row_kernel(backend, g, state, at, p):
+
+  def kernel():
     variant, s = _kernel_args(h)
     return _backend.native_ffi.sparse_lazy(
         variant, s, g.indices, g.values, state, p, row_shape=p.shape[1:], num_rows=g.num_rows,
         offset=at[0] or 0, merge=merge, decay=decay)
-  ids, step, state = lazy_row_update(h, p, g, state, at=at, merge=merge, decay=decay,
+
+  def xla():
+    ids, step, new = lazy_row_update(h, p, g, state, at=at, merge=merge, decay=decay,
                                      backend="xla")
-  return _add_rows(p, ids, step), state
+    return _add_rows(p, ids, step), new
+  return _backend.run(_use_row_kernel(backend, g, state, at, p), kernel, xla)
 
 
 def lazy_row_update(h: Hyper, p, g: RowSparse, state, *,
@@ -640,9 +663,10 @@ def _round(r: Rounding, j: int, p, u):
 def row_add(p, u: RowSparse, *, backend: str = "auto"):
   """``p[ids] += values`` (repeated ids add up, ids outside the table dropped)."""
   check_rows(u, p.shape, what="update")
-  if _backend.use_kernel(backend, p, u.values, ids=u.indices, num_rows=u.num_rows):
-    return _backend.native_ffi.row_add(p, u.indices, u.values)
-  return _add_rows(p, safe_ids(u.indices, u.num_rows), u.values)
+  return _backend.run(
+      _backend.use_kernel(backend, p, u.values, ids=u.indices, num_rows=u.num_rows),
+      lambda: _backend.native_ffi.row_add(p, u.indices, u.values),
+      lambda: _add_rows(p, safe_ids(u.indices, u.num_rows), u.values))
 
 
 def _add_rows(p, ids, rows):

@@ -84,9 +84,9 @@ def leaf_step(step: Callable, g: jax.Array, olds, count: jax.Array,
     return (u, *(n.astype(o.dtype) for n, o in zip(news, olds)))
   # XLA converts a low-precision g to float32 whole before the loop (bf16 params: 4 bytes
   # per parameter of temporaries, against under 0.2 for float32 ones)
-  if _on_kernel(rule, g, olds):
-    return (u, *_kernel_requantize(rule, g, olds))
-  stored = _requantize(lambda gc, *oc: step(gc, *oc)[1:], g.astype(dt), olds, count)
+  stored = _backend.run(
+      _on_kernel(rule, g, olds), lambda: _kernel_requantize(rule, g, olds),
+      lambda: _requantize(lambda gc, *oc: step(gc, *oc)[1:], g.astype(dt), olds, count))
   return (u, *(s if _quant.is_qarray(o) else n.astype(o.dtype)
                for s, n, o in zip(stored, news, olds)))
 

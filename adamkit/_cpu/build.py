@@ -13,7 +13,15 @@ import subprocess
 import sys
 
 SOURCE = pathlib.Path(__file__).parent / "adam_kernels.cc"
-LIBRARY_NAME = "libadamkit_cpu.so"
+
+
+def library_name(jaxlib_version: str) -> str:
+  """The library's file name for a jaxlib version: a kernel compiled against one jaxlib's
+  XLA FFI headers may not register with another's (jaxlib 0.12 refuses handlers built for
+  0.10), so two environments of other JAX versions can share one checkout, each loading its
+  own build."""
+  return f"libadamkit_cpu-jaxlib{jaxlib_version}.so"
+
 # -fsanitize flags of the sanitizer build (tests/test_sanitizer.py): every out-of-bounds
 # access and undefined operation in a kernel aborts with a report.
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import os
 import pathlib
 import threading
@@ -26,7 +27,14 @@ _registered_from: pathlib.Path | None = None  # XLA keeps the first registration
 def kernel_path() -> pathlib.Path:
   """Where the compiled CPU kernel is looked for (``$ADAMKIT_CPU_KERNEL`` overrides)."""
   env = os.environ.get("ADAMKIT_CPU_KERNEL")
-  return pathlib.Path(env) if env else pathlib.Path(__file__).parent / build.LIBRARY_NAME
+  if env:
+    return pathlib.Path(env)
+  return pathlib.Path(__file__).parent / build.library_name(jaxlib_version())
+
+
+def jaxlib_version() -> str:
+  """The installed jaxlib's version (the headers the kernel must be compiled against)."""
+  return importlib.metadata.version("jaxlib")
 
 
 def forget(path: str | os.PathLike) -> None:
