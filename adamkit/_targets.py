@@ -124,24 +124,19 @@ def abstract(tree: Any, target: str, *, shard: str = "fsdp") -> Any:
   return jax.tree.map(place, tree)
 
 
-def _with(abstract_tree: Any, shardings: Any) -> Any:
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      abstract_tree, shardings)
-
-
-def abstract_state(init: Callable, params: Any) -> Any:
-  """``init(params)``'s state as ``ShapeDtypeStruct``s with the shardings (memory kinds
-  included: an offloaded state's are host memory) of ``init`` compiled for the params'
-  target."""
+def abstract_state(init: Callable, params: Any, *, shard: str = "fsdp") -> Any:
+  """``init(params)``'s state as ``ShapeDtypeStruct``s on the params' mesh, laid out by the
+  same rule as the params (``shard``: see :func:`abstract`; every state leaf, a flat or a
+  quantized buffer too, as an FSDP setup shards it), in the memory kind ``init`` compiled
+  for the params' target gives it (an offloaded state's is host memory)."""
   m = next(x.sharding.mesh for x in jax.tree.leaves(params))
+  n = m.devices.size if shard == "fsdp" else 1
   compiled = jax.jit(init).trace(params).lower().compile()
-
-  def on_mesh(s):  # a leaf made of constants (a step count) lands on the default device
-    if s.device_set == set(m.devices.flat):
-      return s
-    return NamedSharding(m, P(), memory_kind=s.memory_kind)
-  shardings = jax.tree.map(on_mesh, compiled.output_shardings)
-  return _with(jax.eval_shape(init, params), shardings)
+  kinds = jax.tree.map(lambda s: s.memory_kind, compiled.output_shardings)
+  shapes = jax.eval_shape(init, params)
+  return jax.tree.map(
+      lambda a, kind: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+          m, fsdp_spec(a.shape, n), memory_kind=kind)), shapes, kinds)
 
 
 def step_fn(tx: optax.GradientTransformation) -> Callable:
@@ -162,7 +157,7 @@ def compile_step(tx: optax.GradientTransformation, params: Any, target: str, *,
   users jit it: params and state donated (``donate=True``), gradients an argument laid out
   as the params. Returns ``(compiled, abstract params, abstract state)``."""
   p = abstract(params, target, shard=shard)
-  s = abstract_state(tx.init, p)
+  s = abstract_state(tx.init, p, shard=shard)
   jitted = jax.jit(step_fn(tx), donate_argnums=(0, 1) if donate else ())
   return jitted.trace(p, s, p).lower().compile(), p, s
 
@@ -220,6 +215,13 @@ def per_device_bytes(tree: Any) -> int:
       shape = sharding.shard_shape(shape)
     total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
   return total
+
+
+def host_bytes(tree: Any) -> int:
+  """Bytes of ``tree``'s leaves placed in host memory (``pinned_host``/``unpinned_host``),
+  per device."""
+  return per_device_bytes([x for x in jax.tree.leaves(tree) if getattr(
+      getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host", "unpinned_host")])
 
 
 def params_count(params: Any) -> int:
@@ -307,9 +309,20 @@ def memory_report(tx: optax.GradientTransformation, params: Any, target: str = "
     2.03
   """
   compiled, p, s = compile_step(tx, params, target, shard=shard, donate=donate)
-  host = [x for x in jax.tree.leaves(s)
-          if getattr(getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host",
-                                                                           "unpinned_host")]
   return MemoryReport(target=target, devices=len(devices(target)), params=params_count(p),
                       param_bytes=per_device_bytes(p), state_bytes=per_device_bytes(s),
-                      state_host_bytes=per_device_bytes(host), step=figures(compiled))
+                      state_host_bytes=host_bytes(s), step=figures(compiled))
+
+
+def transformer_shapes(vocab: int = 8192, d_model: int = 512, layers: int = 6,
+                       dtype: Any = jnp.float32) -> dict:
+  """A decoder-only transformer's params as ``ShapeDtypeStruct``s: a ``(vocab, d_model)``
+  embedding, per layer an attention block (``qkv`` ``(d, 3d)``, ``out`` ``(d, d)``), an MLP
+  (``(d, 4d)``, ``(4d, d)``) and two norms' scales, and a final norm. The defaults give
+  23.1M parameters, the tree the accelerator tier and ``benchmarks/accelerator.py`` use."""
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
+  layer = lambda: {"attn": {"qkv": s(d_model, 3 * d_model), "out": s(d_model, d_model)},
+                   "mlp": {"up": s(d_model, 4 * d_model), "down": s(4 * d_model, d_model)},
+                   "norm1": {"scale": s(d_model)}, "norm2": {"scale": s(d_model)}}
+  return {"embed": s(vocab, d_model), "layers": [layer() for _ in range(layers)],
+          "final_norm": {"scale": s(d_model)}}

@@ -4,6 +4,10 @@ import os
 
 # Must happen before JAX initialises its backends. The flag works on every JAX version;
 # jax_num_cpu_devices (JAX >= 0.4.38) is set too where it exists.
+# The suite runs on CPU devices; where jax[tpu] or a CUDA plugin is installed (the
+# accelerator tier compiles for those targets without their hardware) JAX must not look for
+# a TPU or GPU at start-up.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
