@@ -158,8 +158,12 @@ def compile_step(tx: optax.GradientTransformation, params: Any, target: str, *,
   as the params. Returns ``(compiled, abstract params, abstract state)``."""
   p = abstract(params, target, shard=shard)
   s = abstract_state(tx.init, p, shard=shard)
+  return _compile(tx, p, s, donate), p, s
+
+
+def _compile(tx: optax.GradientTransformation, p: Any, s: Any, donate: bool):
   jitted = jax.jit(step_fn(tx), donate_argnums=(0, 1) if donate else ())
-  return jitted.trace(p, s, p).lower().compile(), p, s
+  return jitted.trace(p, s, p).lower().compile()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +235,9 @@ def params_count(params: Any) -> int:
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
   """What :func:`adamkit.memory_report` found: the state's bytes and the step's device
-  figures on one target (per device; ``*_per_param``: bytes per parameter of the model,
-  all devices together)."""
+  figures on one target (per device; :meth:`per_param`: bytes per parameter of the model,
+  all devices together). ``step`` is ``None`` where the step does not fit the target's
+  memory: XLA refuses to compile it, and ``does_not_fit`` gives XLA's reason."""
 
   target: str
   devices: int
@@ -240,7 +245,12 @@ class MemoryReport:
   param_bytes: int
   state_bytes: int
   state_host_bytes: int
-  step: Figures
+  step: Figures | None
+  does_not_fit: str | None = None
+
+  @property
+  def fits(self) -> bool:
+    return self.step is not None
 
   def per_param(self, nbytes: int) -> float:
     return nbytes * self.devices / max(self.params, 1)
@@ -255,6 +265,10 @@ class MemoryReport:
         f"  params          {mib(self.param_bytes):>14}  ({pp(self.param_bytes)})",
         f"  state           {mib(self.state_bytes):>14}  ({pp(self.state_bytes)}; "
         f"{mib(self.state_host_bytes)} of it in host memory)",
+    ]
+    if f is None:
+      return "\n".join(lines + [f"  step: does not fit ({self.does_not_fit})"])
+    lines += [
         f"  step temporaries{mib(f.temporaries):>14}  ({pp(f.temporaries)})",
         f"  step peak       {mib(f.peak):>14}  ({pp(f.peak)}: arguments + outputs - donated "
         "+ temporaries)",
@@ -295,7 +309,9 @@ def memory_report(tx: optax.GradientTransformation, params: Any, target: str = "
     donate: donate params and state to the step.
 
   Returns:
-    A :class:`MemoryReport`; ``print`` it for a table.
+    A :class:`MemoryReport`; ``print`` it for a table. Where the step needs more memory
+    than the target has, XLA refuses to compile it (TPU: ``CompileTimeHbmOom``): the
+    report's ``fits`` is ``False`` and ``does_not_fit`` gives XLA's figures.
 
   Raises:
     ValueError: an unknown target (the message lists the accepted names).
@@ -308,10 +324,18 @@ def memory_report(tx: optax.GradientTransformation, params: Any, target: str = "
     >>> round(r.per_param(r.state_bytes), 2)
     2.03
   """
-  compiled, p, s = compile_step(tx, params, target, shard=shard, donate=donate)
+  p = abstract(params, target, shard=shard)
+  s = abstract_state(tx.init, p, shard=shard)
+  step, why = None, None
+  try:
+    step = figures(_compile(tx, p, s, donate))
+  except jax.errors.JaxRuntimeError as e:  # XLA refuses a program larger than the memory
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    why = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
   return MemoryReport(target=target, devices=len(devices(target)), params=params_count(p),
                       param_bytes=per_device_bytes(p), state_bytes=per_device_bytes(s),
-                      state_host_bytes=host_bytes(s), step=figures(compiled))
+                      state_host_bytes=host_bytes(s), step=step, does_not_fit=why)
 
 
 def transformer_shapes(vocab: int = 8192, d_model: int = 512, layers: int = 6,
