@@ -39,7 +39,7 @@ from adamkit import (
 )
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, check_row_args, is_row_sparse
-from adamkit._tree import leaf_names
+from adamkit._tree import leaf_names, through_variables
 
 
 def check_row_ids(grads: Any) -> None:
@@ -436,7 +436,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     u, *news = (treedef.unflatten(list(x)) for x in zip(*out))
     return u, state._replace(count=count, **dict(zip(state._fields[1:], news)))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(*through_variables(init_fn, update_fn))
 
 
 @_validate.foreign_keywords

@@ -18,6 +18,7 @@ from registry import NAMES, NO_LR_RECORD, QUANTIZED, REGISTRY, SPARSE, SPARSE_MU
 from test_suite import assert_trees_close, make_grads, make_params
 
 import adamkit as ak
+from adamkit._tree import leaf_names
 
 LR = 0.01
 
@@ -229,6 +230,67 @@ def test_nnx_optimizer_matches_pure_optax(name):
   assert_trees_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), p)
   if name not in NO_LR_RECORD:
     assert float(np.asarray(jax.tree.leaves(ak.get_lr(opt))[0])) == pytest.approx(LR)
+
+
+class _Leaves(nnx.Module):
+  def __init__(self, **leaves):
+    for k, v in leaves.items():
+      setattr(self, k, v if isinstance(v, nnx.Module) else nnx.Param(v))
+
+
+def _nnx_net(p):
+  """An NNX module holding the suite's leaves (the names the registry's groups and masks
+  match)."""
+  return _Leaves(conv=_Leaves(**p["conv"]), bn=_Leaves(**p["bn"]), head=p["head"], bias=p["bias"])
+
+
+def _target_loss(tree, step):
+  """A loss of any form of the params (the leaves in one order for a dict and an
+  ``nnx.State``), so that ``jax.grad`` hands back gradients in the params' own form (targets by leaf name:
+  an ``nnx.State`` keeps its attributes' order, a dict sorts its keys)."""
+  g = make_grads(make_params(), step)
+  targets = {"conv.weight": g["conv"]["weight"], "bn.gamma": g["bn"]["gamma"],
+             "bn.beta": g["bn"]["beta"], "head": g["head"][0], "bias": g["bias"]}
+  return sum(jnp.sum((x - targets[n]) ** 2)
+             for n, x in zip(leaf_names(tree), jax.tree.leaves(tree)))
+
+
+def _functional_run(tx, params, steps=2):
+  state, update = tx.init(params), jax.jit(tx.update)
+  for s in range(steps):
+    g = jax.grad(_target_loss)(params, s)
+    u, state = update(g, state, params)
+    assert jax.tree.structure(u) == jax.tree.structure(params)  # updates in the params' form
+    params = ak.apply_updates(params, u)
+  return params, state
+
+
+def _check_nnx_forms(name, form):
+  plain = make_params()  # without the head's None (no nnx.Param of None)
+  plain = {"conv": plain["conv"], "bn": plain["bn"], "head": plain["head"][0],
+           "bias": plain["bias"]}
+  want, want_state = _functional_run(REGISTRY[name](LR), plain)
+  _, state = nnx.split(_nnx_net(plain))  # an nnx.State of nnx.Param variables
+  params = nnx.to_pure_dict(state) if form == "pure" else state
+  got, got_state = _functional_run(REGISTRY[name](LR), params)
+  chex.assert_trees_all_equal(nnx.to_pure_dict(got) if form == "split" else got, want)
+  # the state holds the same arrays (moments: plain arrays or codes and scales)
+  chex.assert_trees_all_equal(jax.tree.leaves(got_state), jax.tree.leaves(want_state))
+
+
+@pytest.mark.parametrize("form", ["split", "pure"])
+@pytest.mark.parametrize("name", NAMES)
+def test_nnx_functional_params_match_plain_arrays(name, form):
+  """Issue 32: the params ``nnx.split`` hands out (an ``nnx.State`` of ``nnx.Param``) and
+  ``nnx.to_pure_dict``'s train as the plain arrays do, quantized moments included (they
+  failed at the first update: "state.mu does not match the gradient tree")."""
+  _check_nnx_forms(name, form)
+
+
+@pytest.mark.parametrize("quantized", ["adamw_8bit", "sparse_adam_4bit_full"])
+def test_nnx_split_params_with_quantized_moments(quantized):
+  """The fast tier's case of the test above (its registry products run in the full suite)."""
+  _check_nnx_forms(quantized, "split")
 
 
 # ------------------------------------------------------------------ sparse idioms
