@@ -6,7 +6,9 @@ params, ``nnx.Optimizer``; and sparse gradients inside optax pipelines (what wor
 refused and with which error).
 """
 
+import dataclasses
 import warnings
+from typing import Any
 
 import chex
 import jax
@@ -14,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from registry import NAMES, NO_LR_RECORD, QUANTIZED, REGISTRY, SPARSE, SPARSE_MULTISTEPS
+from registry import FLAT_STATE, NAMES, NO_LR_RECORD, QUANTIZED, REGISTRY, SPARSE, SPARSE_MULTISTEPS
 from test_suite import assert_trees_close, make_grads, make_params
 
 import adamkit as ak
-from adamkit._tree import leaf_names
+from adamkit._tree import leaf_names, path_name
 
 LR = 0.01
 
@@ -95,6 +97,54 @@ def test_tree_get_count_is_the_one_step_counter(name):
     assert len(lr) > 1 and lr["default"] == pytest.approx(LR)
   else:
     assert float(lr) == pytest.approx(LR)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """A sharding-spec-like object (optax's own test of ``tree_map_params`` uses one)."""
+  axes: Any
+
+
+# The states optax.tree.map_params cannot map, and why (strict xfails: they must fail).
+_FLAT = "multi-tensor moments are flat buffers, not shaped like the params (FLAT_STATE)"
+_NONE_COPY = ("a params-shaped field holds None for the float32 params that need no copy "
+              "(MasterWeightsState.master / KahanState.compensation): optax meets None "
+              "where a spec is")
+MAP_PARAMS_LIMITS = {
+    **{n: _FLAT for n in FLAT_STATE},
+    **{n: _NONE_COPY for n in NAMES if n.startswith("master_weights") or n.endswith("kahan")},
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(reason=MAP_PARAMS_LIMITS[n], strict=True,
+                                            raises=(ValueError, TypeError)))
+    if n in MAP_PARAMS_LIMITS else n for n in NAMES])
+def test_optax_tree_map_params_maps_every_moment(name):
+  """``optax.tree.map_params(tx, f, state, specs)`` (what users call to build a state's
+  shardings from the params' specs) puts each param's spec at its moments and nothing
+  params-shaped elsewhere, as optax's own test_tree_map_params expects of optax.adam; a
+  quantized moment is one leaf (``is_leaf``). Issue 32: sparse Adam's ``row_splits`` was
+  a params-shaped dict of None, where optax met None instead of a spec."""
+  params = make_params()
+  tx = REGISTRY[name](LR)
+  _, state = _steps(tx, params, [make_grads(params, 0)])
+  leaves, treedef = jax.tree.flatten(params)
+  specs = treedef.unflatten([_Spec(i) for i in range(len(leaves))])
+  want = dict(zip(leaf_names(params), jax.tree.leaves(specs)))
+  out = optax.tree.map_params(tx, lambda _, spec: spec, state, specs,
+                              transform_non_params=lambda _: _Spec(None),
+                              is_leaf=lambda x: isinstance(x, ak.QuantizedArray))
+  found = {}  # moment field -> the params whose spec it holds
+  for path, spec in jax.tree_util.tree_flatten_with_path(out)[0]:
+    assert isinstance(spec, _Spec), (path, spec)  # every leaf mapped
+    if spec.axes is None:
+      continue
+    at = max(i for i, k in enumerate(path) if isinstance(k, jax.tree_util.GetAttrKey))
+    param = path_name(path[at + 1:])
+    assert want[param] == spec, (path, spec)
+    found.setdefault(path[at].name, set()).add(param)
+  assert found.get("mu") == found.get("nu") == set(want), found
 
 
 @pytest.mark.parametrize("factory", [ak.adam, ak.adamax, ak.adamw, ak.sparse_adam])
