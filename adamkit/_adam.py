@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from adamkit import _groups, _links, _masks, _quant, _quant_ops, _schedules, _validate
-from adamkit._tree import tree_map_multi, zero_moments  # noqa: F401 - also imported from here
+from adamkit._tree import through_variables, tree_map_multi, zero_moments  # noqa: F401 - also imported from here
 
 
 class ScaleByAdamState(NamedTuple):
@@ -254,7 +254,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
       return u, ScaleByAmsgradState(count, *moments)
     return u, ScaleByAdamState(count, *moments)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(*through_variables(init_fn, update_fn))
 
 
 @_validate.foreign_keywords

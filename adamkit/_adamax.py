@@ -10,6 +10,7 @@ import optax
 
 from adamkit import _groups, _links, _masks, _quant_ops, _schedules, _validate
 from adamkit._adam import bias_corrections, check_adam_hyper, tree_map_multi
+from adamkit._tree import through_variables
 
 
 class ScaleByAdamaxState(NamedTuple):
@@ -105,7 +106,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     u, mu, nu = tree_map_multi(leaf, 3, updates, state.mu, state.nu)
     return u, ScaleByAdamaxState(count=count, mu=mu, nu=nu)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(*through_variables(init_fn, update_fn))
 
 
 @_validate.foreign_keywords

@@ -186,7 +186,8 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
   """The inverse of :func:`state_dict`: a state shaped like ``like_state``.
 
   Each array is cast to the dtype of the matching leaf of ``like_state`` (quantized, where
-  that leaf is a quantized moment) and, where that leaf is a ``jax.Array``, placed with
+  that leaf is a quantized moment: a multi-tensor fused buffer is filled with its params'
+  float32 values and quantized whole) and, where that leaf is a ``jax.Array``, placed with
   the same sharding (device and memory kind: an offloaded state comes back in host
   memory). Under ``jax.distributed`` each process
   places only the shards its own devices hold (no collective); every process passes the
@@ -209,23 +210,26 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
     extra = set(flat) - {n for n, *_ in named}
     if extra:
       raise ValueError(f"load_state_dict: unexpected entries {sorted(extra)[:8]}.")
-  values, likes = {}, {}
+  values, likes, steps = {}, {}, {}
   for name, index, like, part, count in named:
     value = np.asarray(flat[name])
     want = tuple(like.shape) if part is None else tuple(part[1])
     if value.shape != want:
       raise ValueError(f"load_state_dict: '{name}' has shape {value.shape}, expected {want}.")
     likes[index] = like
+    # a quantized moment is filled with the float32 values it stands for, quantized whole
+    # below (a multi-tensor buffer once all its params' parts are in)
+    value = value.astype(np.float32 if _quant.is_qarray(like) else like.dtype)
     if _quant.is_qarray(like):
       # the 4-bit dither of the loaded state's step (quantize(m_t) at count t)
-      values[index] = _quant_ops.quantized_like(value, like, 0 if count is None else flat[count])
-      continue
-    value = value.astype(like.dtype)
+      steps[index] = 0 if count is None else flat[count]
     if part is None:
       values[index] = value
     else:  # one param's moment in a flat buffer: the buffer is filled part by part
-      buf = values.setdefault(index, np.zeros(np.shape(like), like.dtype))
+      buf = values.setdefault(index, np.zeros(np.shape(like), value.dtype))
       buf[part[0]:part[0] + value.size] = value.ravel()
+  for index, step in steps.items():
+    values[index] = _quant_ops.quantized_like(values[index], likes[index], step)
   leaves = []
   for index in sorted(values):
     value, like = values[index], likes[index]

@@ -142,6 +142,10 @@ def _scaled(schedule, factor):
 # is one rate per group.
 _SHARED_FIELDS = ("count",)
 _PER_GROUP_FIELDS = ("next_lr",)
+# The row splits sparse Adam records at init (adamkit._row_sharded.RowSplits, keyed by
+# leaf name, no arrays): every group's link reads the whole record, the merged state
+# holds the union of the groups' records.
+_RECORD_FIELDS = ("row_splits",)
 
 
 def _select(labels, tree, name):
@@ -160,7 +164,7 @@ def _split_state(state, labels, name):
   if not getattr(state, "_fields", ()):
     return state
   return type(state)(**{
-      f: (v if f in _SHARED_FIELDS else v[name] if f in _PER_GROUP_FIELDS
+      f: (v if f in _SHARED_FIELDS + _RECORD_FIELDS else v[name] if f in _PER_GROUP_FIELDS
           else _select(labels, v, name))
       for f, v in zip(state._fields, state)})
 
@@ -179,6 +183,9 @@ def _merge_states(labels, states: Mapping[str, Any]):
       merged[f] = values[next(iter(values))]
     elif f in _PER_GROUP_FIELDS:
       merged[f] = values
+    elif f in _RECORD_FIELDS:
+      record = values[next(iter(values))]
+      merged[f] = record.union(values.values()) if hasattr(record, "union") else record
     else:
       merged[f] = _merge(labels, values)
   return type(first)(**merged)

@@ -30,12 +30,12 @@ on the rows' global ids (``id * D + column``), so the codes are those of one dev
 Where the split comes from: on meshes with Explicit axes it is part of the arrays' type
 (``jax.typeof``), and a concrete array carries it. Inside a ``jit`` over Auto axes a
 traced array shows its mesh but not how it is split, so the optimizer records each
-table's split at ``init``, from the params (a :class:`RowSplit`, a pytree node without
+table's split at ``init``, from the params (a :class:`RowSplits`, a pytree node without
 leaves, in the state's tree structure: orbax, ``ak.state_dict`` and ``jax.tree.map`` see
-no new array, and ``jit`` keys its cache on it). The step trusts a record only for
-traced moments of the recorded number of rows on the recorded mesh; params abstract or
-traced at ``init`` leave no record, and XLA's partitioning then stays (same numbers,
-every device sees every id).
+no new array, ``optax.tree.map_params`` no params tree, and ``jit`` keys its cache on
+it). The step trusts a record only for traced moments of the recorded number of rows on
+the recorded mesh; params abstract or traced at ``init`` leave no record, and XLA's
+partitioning then stays (same numbers, every device sees every id).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from adamkit import _adam, _quant
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, _explicit_sharding, safe_ids
-from adamkit._tree import is_tracer
+from adamkit._tree import is_tracer, leaf_names
 
 
 class RowLayout(NamedTuple):
@@ -104,8 +104,35 @@ jax.tree_util.register_pytree_with_keys(
     flatten_func=lambda r: ((), (r.layout, r.num_rows)))
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSplits:
+  """The splits recorded at ``init`` for a state's row-sharded tables (the state's
+  ``row_splits``): ``((leaf name, RowSplit), ...)``, sorted by name. A pytree node
+  without children, the record its static data: no leaf for orbax or ``ak.state_dict``,
+  and not shaped like the params, so ``optax.tree.map_params`` finds no params tree here
+  (the record of params without a row-sharded table, or of its placeholder params, is
+  empty: the same node). Keyed by name, so parameter groups (each initialized on its own
+  leaves) share one record: their union."""
+  splits: tuple = ()
+
+  def __repr__(self) -> str:
+    return f"RowSplits({dict(self.splits)!r})" if self.splits else "RowSplits()"
+
+  @classmethod
+  def union(cls, records) -> RowSplits:
+    """One record of the tables of every record in ``records``."""
+    return cls(tuple(sorted({k: v for r in records for k, v in r.splits}.items(),
+                            key=lambda kv: kv[0])))
+
+
+jax.tree_util.register_pytree_with_keys(
+    RowSplits, lambda r: ((), r.splits), lambda aux, _: RowSplits(aux),
+    flatten_func=lambda r: ((), r.splits))
+
+
 def is_split(x: Any) -> bool:
-  return isinstance(x, RowSplit)
+  """A recorded split: a :class:`RowSplit`, or a :class:`RowSplits` holding one."""
+  return isinstance(x, RowSplit) or (isinstance(x, RowSplits) and bool(x.splits))
 
 
 def record(p: Any) -> RowSplit | None:
@@ -115,19 +142,26 @@ def record(p: Any) -> RowSplit | None:
   return None if layout is None else RowSplit(layout, p.shape[0])
 
 
-def recorded(state: Any, treedef: Any) -> list:
-  """The splits ``state.row_splits`` recorded for the leaves of ``treedef`` (the moments'
-  structure), ``None`` where none was: also for a state made other than by ``init``."""
-  try:
-    return treedef.flatten_up_to(getattr(state, "row_splits", None))
-  except (ValueError, TypeError):
-    return [None] * treedef.num_leaves
+def record_all(params: Any) -> RowSplits:
+  """The :class:`RowSplits` of ``params``' row-sharded tables."""
+  found = ((name, record(p)) for name, p in zip(leaf_names(params), jax.tree.leaves(params)))
+  return RowSplits(tuple(sorted(((n, s) for n, s in found if s is not None),
+                                key=lambda kv: kv[0])))
+
+
+def recorded(state: Any, names: list[str]) -> list:
+  """The splits ``state.row_splits`` recorded for the moments' leaves ``names``, ``None``
+  where none was: also for a state made other than by ``init``."""
+  splits = getattr(state, "row_splits", None)
+  found = dict(splits.splits) if isinstance(splits, RowSplits) else {}
+  return [found.get(n) for n in names]
 
 
 def forget(tree: Any) -> Any:
   """``tree`` with every recorded split dropped: its steps keep XLA's partitioning where
   the split is not known at trace time."""
-  return jax.tree.map(lambda x: None if is_split(x) else x, tree, is_leaf=is_split)
+  return jax.tree.map(lambda x: RowSplits() if isinstance(x, RowSplits) else x, tree,
+                      is_leaf=lambda x: isinstance(x, RowSplits))
 
 
 def step_layout(split: RowSplit | None, *xs: Any) -> RowLayout | None:

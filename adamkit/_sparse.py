@@ -39,7 +39,7 @@ from adamkit import (
 )
 from adamkit._dtypes import compute_dtype
 from adamkit._sparse_types import RowSparse, check_row_args, is_row_sparse
-from adamkit._tree import leaf_names
+from adamkit._tree import leaf_names, through_variables
 
 
 def check_row_ids(grads: Any) -> None:
@@ -224,8 +224,8 @@ class ScaleBySparseAdamState(NamedTuple):
   count: jax.Array  # int32 scalar, steps taken (saturates); the global step t of every row
   mu: optax.Updates  # first moment, params' shapes: ``mu_dtype``, the params' dtype, or codes
   nu: optax.Updates  # second moment, params' shapes: ``nu_dtype``, the params' dtype, or codes
-  # No arrays: the params' tree with each row-sharded table's split as seen at init (a
-  # RowSplit node, None elsewhere), so that a step jitted over Auto axes routes its rows.
+  # No arrays: the row-sharded tables' splits as seen at init (a RowSplits node, static
+  # data, not shaped like the params), so that a step jitted over Auto axes routes its rows.
   row_splits: Any = None
 
 
@@ -315,10 +315,11 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   moments, the codes and scales split by rows as ``init`` places them): each device
   updates the touched rows it owns (see ``docs/scaling_out.md``). Under a ``jit``
   over Auto axes the arrays do not show their split, so ``init`` records it from the
-  params it is given, in the state's tree structure (``row_splits``: a node per table, no
-  arrays). Concrete or ``jax.ShapeDtypeStruct`` params with shardings record it;
-  abstract or traced ones (``jax.jit(tx.init)``) do not, and XLA then partitions the
-  step (the same numbers, every device processing every id).
+  params it is given, in the state's tree structure (``row_splits``: one node, no
+  arrays, static data rather than a params-shaped tree, so ``optax.tree.map_params``
+  works on the state). Concrete or ``jax.ShapeDtypeStruct`` params with shardings
+  record it; abstract or traced ones (``jax.jit(tx.init)``) do not, and XLA then
+  partitions the step (the same numbers, every device processing every id).
 
   Args:
     b1: decay :math:`\beta_1` of the first moment, in [0, 1) (default 0.9).
@@ -398,7 +399,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     if amsgrad:  # three buffers: never routed (see adamkit._ops._row_layout)
       return state_type(jnp.zeros([], jnp.int32), *moments)
     return state_type(jnp.zeros([], jnp.int32), *moments,
-                      row_splits=jax.tree.map(_row_sharded.record, params))
+                      row_splits=_row_sharded.record_all(params))
 
   def update_fn(updates, state, params=None):
     _validate.check_state(state, state_type, "ak.scale_by_sparse_adam", updates)
@@ -429,14 +430,15 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     treedef = jax.tree.structure(state.nu, is_leaf=_quant.is_qarray)
     n_moments = 3 if amsgrad else 2  # mu, nu(, nu_max); then the recorded splits
     moments = [jax.tree.leaves(t, is_leaf=_quant.is_qarray) for t in state[1:1 + n_moments]]
-    out = [leaf(*args) for args in zip(leaf_names(leaf_view), treedef.flatten_up_to(updates),
-                                       _row_sharded.recorded(state, treedef), *moments)]
+    names = leaf_names(leaf_view)
+    out = [leaf(*args) for args in zip(names, treedef.flatten_up_to(updates),
+                                       _row_sharded.recorded(state, names), *moments)]
     if not out:
       return updates, state._replace(count=count)
     u, *news = (treedef.unflatten(list(x)) for x in zip(*out))
     return u, state._replace(count=count, **dict(zip(state._fields[1:], news)))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(*through_variables(init_fn, update_fn))
 
 
 @_validate.foreign_keywords

@@ -99,3 +99,52 @@ def replicated_like(params: Any, ndim: int = 0) -> jax.sharding.Sharding | None:
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
     return sharding
   return None
+
+
+# ------------------------------------------------------------------ Flax NNX variables
+
+
+def is_variable(x: Any) -> bool:
+  """Whether ``x`` is a Flax NNX ``Variable`` (``nnx.Param``, ...), duck-typed: adamkit
+  does not import flax."""
+  return type(x).__module__.startswith("flax.") and hasattr(x, "get_value")
+
+
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with each Flax NNX ``Variable`` replaced by its value, the containers (an
+  ``nnx.State``, dicts) kept: ``nnx.split``'s params (a State of ``nnx.Param``),
+  ``nnx.Optimizer``'s (a State of arrays) and ``nnx.to_pure_dict``'s all give one form."""
+  if not any(is_variable(x) for x in jax.tree.leaves(tree, is_leaf=is_variable)):
+    return tree
+  return jax.tree.map(lambda x: x.get_value() if is_variable(x) else x, tree, is_leaf=is_variable)
+
+
+def rewrap_variables(values: Any, like: Any) -> Any:
+  """``values`` (a tree of :func:`unwrap_variables` ``(like)``'s structure, any subtree
+  at a variable's place) with each of ``like``'s variables around its value again, so
+  that updates come back in the gradients' own form."""
+  leaves, treedef = jax.tree.flatten(like, is_leaf=is_variable)
+  if not any(is_variable(x) for x in leaves):
+    return values
+
+  def wrap(var, value):  # a variable's node holds its value as its one child
+    return jax.tree.structure(var, is_leaf=lambda x: x is not var).unflatten([value])
+
+  return treedef.unflatten([wrap(x, v) if is_variable(x) else v
+                            for x, v in zip(leaves, treedef.flatten_up_to(values))])
+
+
+def through_variables(init_fn, update_fn):
+  """``(init, update)`` of a transform whose state holds params-shaped trees (moments),
+  seeing Flax NNX variables' values only: its state is the same whatever form the params
+  come in (a State of ``nnx.Param``, of arrays, a pure dict), and its updates come back
+  in the gradients' form (variables where the gradients have them)."""
+
+  def init(params):
+    return init_fn(unwrap_variables(params))
+
+  def update(updates, state, params=None):
+    out, state = update_fn(unwrap_variables(updates), state, unwrap_variables(params))
+    return rewrap_variables(out, updates), state
+
+  return init, update

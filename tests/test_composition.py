@@ -6,7 +6,9 @@ params, ``nnx.Optimizer``; and sparse gradients inside optax pipelines (what wor
 refused and with which error).
 """
 
+import dataclasses
 import warnings
+from typing import Any
 
 import chex
 import jax
@@ -14,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from registry import NAMES, NO_LR_RECORD, QUANTIZED, REGISTRY, SPARSE, SPARSE_MULTISTEPS
+from registry import FLAT_STATE, NAMES, NO_LR_RECORD, QUANTIZED, REGISTRY, SPARSE, SPARSE_MULTISTEPS
 from test_suite import assert_trees_close, make_grads, make_params
 
 import adamkit as ak
+from adamkit._tree import leaf_names, path_name
 
 LR = 0.01
 
@@ -94,6 +97,54 @@ def test_tree_get_count_is_the_one_step_counter(name):
     assert len(lr) > 1 and lr["default"] == pytest.approx(LR)
   else:
     assert float(lr) == pytest.approx(LR)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """A sharding-spec-like object (optax's own test of ``tree_map_params`` uses one)."""
+  axes: Any
+
+
+# The states optax.tree.map_params cannot map, and why (strict xfails: they must fail).
+_FLAT = "multi-tensor moments are flat buffers, not shaped like the params (FLAT_STATE)"
+_NONE_COPY = ("a params-shaped field holds None for the float32 params that need no copy "
+              "(MasterWeightsState.master / KahanState.compensation): optax meets None "
+              "where a spec is")
+MAP_PARAMS_LIMITS = {
+    **{n: _FLAT for n in FLAT_STATE},
+    **{n: _NONE_COPY for n in NAMES if n.startswith("master_weights") or n.endswith("kahan")},
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(reason=MAP_PARAMS_LIMITS[n], strict=True,
+                                            raises=(ValueError, TypeError)))
+    if n in MAP_PARAMS_LIMITS else n for n in NAMES])
+def test_optax_tree_map_params_maps_every_moment(name):
+  """``optax.tree.map_params(tx, f, state, specs)`` (what users call to build a state's
+  shardings from the params' specs) puts each param's spec at its moments and nothing
+  params-shaped elsewhere, as optax's own test_tree_map_params expects of optax.adam; a
+  quantized moment is one leaf (``is_leaf``). Issue 32: sparse Adam's ``row_splits`` was
+  a params-shaped dict of None, where optax met None instead of a spec."""
+  params = make_params()
+  tx = REGISTRY[name](LR)
+  _, state = _steps(tx, params, [make_grads(params, 0)])
+  leaves, treedef = jax.tree.flatten(params)
+  specs = treedef.unflatten([_Spec(i) for i in range(len(leaves))])
+  want = dict(zip(leaf_names(params), jax.tree.leaves(specs)))
+  out = optax.tree.map_params(tx, lambda _, spec: spec, state, specs,
+                              transform_non_params=lambda _: _Spec(None),
+                              is_leaf=lambda x: isinstance(x, ak.QuantizedArray))
+  found = {}  # moment field -> the params whose spec it holds
+  for path, spec in jax.tree_util.tree_flatten_with_path(out)[0]:
+    assert isinstance(spec, _Spec), (path, spec)  # every leaf mapped
+    if spec.axes is None:
+      continue
+    at = max(i for i, k in enumerate(path) if isinstance(k, jax.tree_util.GetAttrKey))
+    param = path_name(path[at + 1:])
+    assert want[param] == spec, (path, spec)
+    found.setdefault(path[at].name, set()).add(param)
+  assert found.get("mu") == found.get("nu") == set(want), found
 
 
 @pytest.mark.parametrize("factory", [ak.adam, ak.adamax, ak.adamw, ak.sparse_adam])
@@ -229,6 +280,67 @@ def test_nnx_optimizer_matches_pure_optax(name):
   assert_trees_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)), p)
   if name not in NO_LR_RECORD:
     assert float(np.asarray(jax.tree.leaves(ak.get_lr(opt))[0])) == pytest.approx(LR)
+
+
+class _Leaves(nnx.Module):
+  def __init__(self, **leaves):
+    for k, v in leaves.items():
+      setattr(self, k, v if isinstance(v, nnx.Module) else nnx.Param(v))
+
+
+def _nnx_net(p):
+  """An NNX module holding the suite's leaves (the names the registry's groups and masks
+  match)."""
+  return _Leaves(conv=_Leaves(**p["conv"]), bn=_Leaves(**p["bn"]), head=p["head"], bias=p["bias"])
+
+
+def _target_loss(tree, step):
+  """A loss of any form of the params (the leaves in one order for a dict and an
+  ``nnx.State``), so that ``jax.grad`` hands back gradients in the params' own form (targets by leaf name:
+  an ``nnx.State`` keeps its attributes' order, a dict sorts its keys)."""
+  g = make_grads(make_params(), step)
+  targets = {"conv.weight": g["conv"]["weight"], "bn.gamma": g["bn"]["gamma"],
+             "bn.beta": g["bn"]["beta"], "head": g["head"][0], "bias": g["bias"]}
+  return sum(jnp.sum((x - targets[n]) ** 2)
+             for n, x in zip(leaf_names(tree), jax.tree.leaves(tree)))
+
+
+def _functional_run(tx, params, steps=2):
+  state, update = tx.init(params), jax.jit(tx.update)
+  for s in range(steps):
+    g = jax.grad(_target_loss)(params, s)
+    u, state = update(g, state, params)
+    assert jax.tree.structure(u) == jax.tree.structure(params)  # updates in the params' form
+    params = ak.apply_updates(params, u)
+  return params, state
+
+
+def _check_nnx_forms(name, form):
+  plain = make_params()  # without the head's None (no nnx.Param of None)
+  plain = {"conv": plain["conv"], "bn": plain["bn"], "head": plain["head"][0],
+           "bias": plain["bias"]}
+  want, want_state = _functional_run(REGISTRY[name](LR), plain)
+  _, state = nnx.split(_nnx_net(plain))  # an nnx.State of nnx.Param variables
+  params = nnx.to_pure_dict(state) if form == "pure" else state
+  got, got_state = _functional_run(REGISTRY[name](LR), params)
+  chex.assert_trees_all_equal(nnx.to_pure_dict(got) if form == "split" else got, want)
+  # the state holds the same arrays (moments: plain arrays or codes and scales)
+  chex.assert_trees_all_equal(jax.tree.leaves(got_state), jax.tree.leaves(want_state))
+
+
+@pytest.mark.parametrize("form", ["split", "pure"])
+@pytest.mark.parametrize("name", NAMES)
+def test_nnx_functional_params_match_plain_arrays(name, form):
+  """Issue 32: the params ``nnx.split`` hands out (an ``nnx.State`` of ``nnx.Param``) and
+  ``nnx.to_pure_dict``'s train as the plain arrays do, quantized moments included (they
+  failed at the first update: "state.mu does not match the gradient tree")."""
+  _check_nnx_forms(name, form)
+
+
+@pytest.mark.parametrize("quantized", ["adamw_8bit", "sparse_adam_4bit_full"])
+def test_nnx_split_params_with_quantized_moments(quantized):
+  """The fast tier's case of the test above (its registry products run in the full suite)."""
+  _check_nnx_forms(quantized, "split")
 
 
 # ------------------------------------------------------------------ sparse idioms
