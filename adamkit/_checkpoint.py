@@ -218,7 +218,8 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
     likes[index] = like
     if _quant.is_qarray(like):
       # the 4-bit dither of the loaded state's step (quantize(m_t) at count t)
-      values[index] = _quant_ops.quantized_like(value, like, 0 if count is None else flat[count])
+      values[index] = _quant_ops.quantized_like(value, like, 0 if count is None else flat[count],
+                                                name=f"load_state_dict: '{name}'")
       continue
     value = value.astype(like.dtype)
     if part is None:

@@ -267,6 +267,7 @@ def _check_format(name: str, x: Any, fmt: Any, role: str, what: str) -> None:
                      "a state made with another format.")
 
 
+@_validate.foreign_keywords
 def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                          lazy: bool = True, eps_mode: str = "hat", nesterov: bool = False,
                          amsgrad: bool = False, bias_correction: bool = True,
