@@ -525,7 +525,8 @@ def check_moments(updates: Any, moments: Any, fmt: Any, role: str, what: str) ->
 def _describe(fmt, m) -> str:
   if fmt is None:
     return "an unquantized array" if not _quant.is_qarray(m) else f"{m.dtype} values"
-  return f"{fmt.kind!r} codes in blocks of {fmt.block_size}"
+  book = "a first moment's (signed)" if fmt.role == "mu" else "a second moment's (unsigned)"
+  return f"{fmt.kind!r} codes of {book} code book in blocks of {fmt.block_size}"
 
 
 # ------------------------------------------------------------- named float32 views

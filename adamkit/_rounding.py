@@ -131,7 +131,7 @@ def _bf16_pattern(x32: jax.Array, bits: jax.Array) -> jax.Array:
   bits): ``|x|``'s pattern truncated to its top 16 bits is the lower neighbour, plus 1 the
   upper one (the next magnitude, also across a binade), chosen when ``bits >> 16`` is below
   the 16 dropped bits, so with probability (dropped bits) / 2^16, exactly the dropped
-  fraction: :math:`E[\mathrm{SR}(x)] = x` for every finite float32, subnormals included.
+  fraction: E[SR(x)] = x for every finite float32, subnormals included.
   No float arithmetic, so nothing is flushed (XLA:CPU flushes float32 subnormals, the gap
   between the neighbours of an ``|x|`` under about 3e-36). The C++ kernel's rule."""
   xb = jax.lax.bitcast_convert_type(x32, jnp.uint32)

@@ -398,7 +398,7 @@ def check_moment_format(name: str, value: Any) -> Any:
                       f"moments pass `{name}={hint!r}` (or ak.Quantized({hint!r}, ...)). "
                       f"`{name}` takes {_ACCEPTED_MOMENT_FORMATS}.")
     try:
-      np.dtype(value)
+      jnp.dtype(value)
     except (TypeError, ValueError):
       raise TypeError(f"`{name}`={value!r} is not a moment format: `{name}` takes "
                       f"{_ACCEPTED_MOMENT_FORMATS}.") from None
@@ -470,7 +470,7 @@ def check_quantized_values(q: Any, name: str, what: str = "state") -> None:
   if bad.any():
     block = int(np.argmax(bad))
     raise ValueError(
-        f"{what}: the quantized moment of '{name}' has scale {scales[block]!r} in block "
+        f"{what}: the quantized moment of '{name}' has scale {float(scales[block])} in block "
         f"{block} ({int(bad.sum())} bad of {scales.size}): a block's scale is its largest "
         "magnitude, finite and >= 0. The state is corrupted; restore another checkpoint.")
   codes = np.asarray(q.codes)
@@ -509,6 +509,6 @@ def check_moment_values(value: Any, fmt: Any, name: str) -> None:
     at = np.unravel_index(int(np.argmax(bad)), value.shape) if value.ndim else ()
     rule = "finite and >= 0 (a second moment)" if fmt.role == "nu" else "finite"
     raise ValueError(
-        f"{name}: value {value[at]!r} at index {tuple(int(i) for i in at)} ({int(bad.sum())} "
-        f"such values) cannot be stored in the {fmt.kind!r} moment format, which holds {rule} "
+        f"{name} holds {float(value[at])} at index {tuple(int(i) for i in at)} "
+        f"({int(bad.sum())} such values): the {fmt.kind!r} moment format stores {rule} "
         "values only.")
