@@ -194,7 +194,13 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
   :math:`p` is computed exactly and :math:`u` has 24 bits, so for bfloat16 (16 dropped
   bits) and float16 normals (13) the probability of rounding up is exactly the dropped
-  fraction; for float16 subnormals within :math:`2^{-24}` of it.
+  fraction; for float16 subnormals within :math:`2^{-24}` of it. For bfloat16 the same
+  decision is made on the bit patterns, up when ``b >> 16`` is below the 16 bits of
+  :math:`|x|` that bfloat16 drops (:math:`h` is then the next bit pattern after
+  :math:`\ell`'s), with no float arithmetic: :math:`E[\mathrm{SR}(x)] = x` holds for every
+  finite float32 :math:`x`, subnormals included (computed in floats, :math:`h - \ell`
+  under float32's smallest normal number, for :math:`|x|` below about 3e-36, is flushed to
+  zero on CPU). The C++ kernel's rounded step uses the same rule.
 
   .. warning::
     torchao's ``bf16_stochastic_round`` adds 16 random bits to the float32 bit pattern and

@@ -456,12 +456,14 @@ def _bad_codes(codes: np.ndarray, fmt: Any) -> np.ndarray:
   return np.zeros(codes.shape, bool)
 
 
-def check_quantized_values(q: Any, name: str, what: str = "state") -> None:
+def check_quantized_values(q: Any, name: str, what: str = "state", slots: tuple = ()) -> None:
   """A quantized moment entering from outside (a restored checkpoint, a state handed to
   :func:`adamkit.offload_state`) must hold what its format writes: the layout of
   :func:`check_quantized_layout`, every scale finite and >= 0, every code one its encoder
-  writes (see :func:`_bad_codes`). A ValueError names the leaf, the block and the value.
-  Traced arrays: layout only (their values are not known)."""
+  writes (see :func:`_bad_codes`). A ValueError names the leaf, the block and the value;
+  for a multi-tensor buffer ``slots`` (``(leaf name, element offset)`` of each leaf in it)
+  name the param whose block it is. Traced arrays: layout only (their values are not
+  known)."""
   check_quantized_layout(q, name, what)
   if _is_tracer(q.codes) or _is_tracer(q.scales):
     return
@@ -471,7 +473,8 @@ def check_quantized_values(q: Any, name: str, what: str = "state") -> None:
     block = int(np.argmax(bad))
     raise ValueError(
         f"{what}: the quantized moment of '{name}' has scale {float(scales[block])} in block "
-        f"{block} ({int(bad.sum())} bad of {scales.size}): a block's scale is its largest "
+        f"{block}{_slot_of(slots, block * q.fmt.block_size)} ({int(bad.sum())} bad of "
+        f"{scales.size}): a block's scale is its largest "
         "magnitude, finite and >= 0. The state is corrupted; restore another checkpoint.")
   codes = np.asarray(q.codes)
   wrong = _bad_codes(codes, q.fmt).reshape(-1)
@@ -482,18 +485,37 @@ def check_quantized_values(q: Any, name: str, what: str = "state") -> None:
              ("fp8", "nu"): "float8 e4m3fn codes of numbers >= 0 (0x00..0x7E, 0x80)"}
     raise ValueError(
         f"{what}: the quantized moment of '{name}' ({q.fmt.kind!r}, role {q.fmt.role!r}) "
-        f"has code {int(codes.reshape(-1)[at]):#04x} at byte {at} ({int(wrong.sum())} bad "
+        f"has code {int(codes.reshape(-1)[at]):#04x} at byte {at}"
+        f"{_slot_of(slots, at * (2 if q.fmt.packed else 1))} ({int(wrong.sum())} bad "
         f"bytes); its format writes {valid[(q.fmt.kind, q.fmt.role)]}. The state is "
         "corrupted; restore another checkpoint.")
 
 
+def _slot_of(slots: tuple, element: int) -> str:
+  """`` (param 'name')``: the leaf of a multi-tensor buffer holding ``element``."""
+  owner = [name for name, at in slots if at <= element]
+  return f" (param '{owner[-1]}')" if owner else ""
+
+
+def _is_flat_moments(x: Any) -> bool:  # adamkit._fused.FlatMoments (which imports this module)
+  return type(x).__name__ == "FlatMoments" and hasattr(x, "slots")
+
+
 def check_quantized_state(tree: Any, what: str = "state") -> None:
   """:func:`check_quantized_values` on every quantized moment of ``tree`` (a whole
-  optimizer state, or part of one), named by its path in ``tree``."""
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_quant.is_qarray)[0]
+  optimizer state, or part of one), named by its path in ``tree`` (and, in a multi-tensor
+  buffer, by the param whose block is bad)."""
+  flat = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: _quant.is_qarray(x) or _is_flat_moments(x))[0]
   for path, leaf in flat:
-    if _quant.is_qarray(leaf):
-      check_quantized_values(leaf, path_name(path) or "<root>", what)
+    name = path_name(path) or "<root>"
+    if _is_flat_moments(leaf):
+      for key, buf in leaf.items():
+        if _quant.is_qarray(buf):
+          slots = tuple((p, at) for p, _, k, at in leaf.slots if k == key)
+          check_quantized_values(buf, f"{name}.{key}", what, slots)
+    elif _quant.is_qarray(leaf):
+      check_quantized_values(leaf, name, what)
 
 
 def check_moment_values(value: Any, fmt: Any, name: str) -> None:

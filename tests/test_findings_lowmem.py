@@ -87,6 +87,15 @@ def test_offload_state_refuses_a_bad_scale_naming_the_leaf(kind, role, bad):
   ak.offload_state(jax.tree.map(np.asarray, state), params)  # the intact state goes through
 
 
+def test_offload_state_names_the_param_of_a_bad_block_in_a_multi_tensor_buffer():
+  params, _ = params_grads()  # "b" takes block 0 of the flat buffer, "w" blocks 1..8
+  tx = ak.fused_adamw(1e-2, mu_dtype=q("8bit"), nu_dtype=q("8bit"))
+  state = tx.init(params)
+  broken = edit(state, "nu", scales=lambda s: np.where(np.arange(s.size) == 3, np.float32(np.nan), s))
+  with pytest.raises(ValueError, match=r"'nu\.8bit' has scale nan in block 3 \(param 'w'\)"):
+    ak.offload_state(jax.tree.map(np.asarray, broken), params)
+
+
 # Codes each format's encoder never writes, and what they read back as before the check.
 BAD_CODES = {("4bit", "mu"): 0x0F, ("fp8", "mu"): 0x7F, ("fp8", "nu"): 0x81}
 
