@@ -95,6 +95,7 @@ def amsgrad_direction(g, m, v, v_max, *, b1, b2, eps, bc1, bc2, eps_mode, nester
   return u, m, v, v_max
 
 
+@_validate.foreign_keywords
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                   eps_mode: str = "hat", nesterov: bool = False, bias_correction: bool = True,
                   amsgrad: bool = False, mu_dtype: Any = None,

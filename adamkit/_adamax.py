@@ -32,6 +32,7 @@ def adamax_direction(g, m, v, *, b1, b2, eps, bc1):
   return u, m, v
 
 
+@_validate.foreign_keywords
 def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                     mu_dtype: Any = None, nu_dtype: Any = None) -> optax.GradientTransformation:
   r"""Rescales updates by AdaMax's moments, MindSpore ``nn.AdaMax``'s formula.

@@ -210,7 +210,7 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
     extra = set(flat) - {n for n, *_ in named}
     if extra:
       raise ValueError(f"load_state_dict: unexpected entries {sorted(extra)[:8]}.")
-  values, likes, steps = {}, {}, {}
+  values, likes, steps, names = {}, {}, {}, {}
   for name, index, like, part, count in named:
     value = np.asarray(flat[name])
     want = tuple(like.shape) if part is None else tuple(part[1])
@@ -223,13 +223,15 @@ def load_state_dict(flat: dict[str, Any], like_state: Any, *, strict: bool = Tru
     if _quant.is_qarray(like):
       # the 4-bit dither of the loaded state's step (quantize(m_t) at count t)
       steps[index] = 0 if count is None else flat[count]
+      names.setdefault(index, name)
     if part is None:
       values[index] = value
     else:  # one param's moment in a flat buffer: the buffer is filled part by part
       buf = values.setdefault(index, np.zeros(np.shape(like), value.dtype))
       buf[part[0]:part[0] + value.size] = value.ravel()
   for index, step in steps.items():
-    values[index] = _quant_ops.quantized_like(values[index], likes[index], step)
+    values[index] = _quant_ops.quantized_like(values[index], likes[index], step,
+                                              name=f"load_state_dict: '{names[index]}'")
   leaves = []
   for index in sorted(values):
     value, like = values[index], likes[index]

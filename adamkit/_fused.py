@@ -270,9 +270,8 @@ def _flat_zeros(params, store_of) -> FlatMoments:
 
 def _describe(buf) -> Any:
   """Shapes and dtypes of a moment buffer (and a quantized one's format), to compare."""
-  if _quant.is_qarray(buf):
-    return (buf.fmt.kind, buf.fmt.block_size, tuple(buf.shape), tuple(np.shape(buf.codes)),
-            tuple(np.shape(buf.scales)))
+  if _quant.is_qarray(buf):  # the role too: a second moment's code book is unsigned
+    return _validate.quantized_layout(buf)
   return (tuple(np.shape(buf)), getattr(getattr(buf, "dtype", None), "name", None))
 
 
@@ -331,8 +330,9 @@ def _check_state(state, params, names, multi_tensor, mu_of, nu_of, amsgrad, want
         want = _describe(jax.eval_shape(lambda p=p, st=store: _zero_moment(p, st)))
         if _describe(m) != want:
           raise ValueError(f"state.{name} of '{leaf}' is stored as {_describe(m)}; this "
-                           f"optimizer stores it as {want} (format, block size, shape, codes, "
-                           "scales): a state quantized with another mu_dtype/nu_dtype?")
+                           f"optimizer stores it as {want} (kind, role, block size, shape, codes "
+                           "shape and dtype, scales shape and dtype): a state quantized with "
+                           "another mu_dtype/nu_dtype, or its moments swapped?")
       elif np.shape(m) != np.shape(p) or not jnp.issubdtype(m.dtype, jnp.floating):
         raise ValueError(f"state.{name} of '{leaf}' has shape {np.shape(m)} and dtype "
                          f"{m.dtype}; the param has shape {np.shape(p)}: a moment must be a "
@@ -532,6 +532,8 @@ def _fused(algo: str, learning_rate, b1, b2, eps, *, eps_mode, nesterov, weight_
     rounding = None
     if param_rounding is not None:  # the state is ak.param_rounding's around the fused one
       _rounding.check_state(param_rounding, state, "A fused step with param_rounding={!r}")
+      _rounding.check_leaves(param_rounding, state, params,
+                             f"A fused step with param_rounding={param_rounding!r}")
       rounding, state = _StepRounding.of(param_rounding, state, params), state.inner
     hyper, wd, count, bufs = start(params, state, grads)
     grads = _validate.float_grads(grads, params)

@@ -282,6 +282,7 @@ def offload_state(state: Any, params: Any, *, shardings: Any = None,
     >>> {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim}  # the moments
     {'pinned_host'}
   """
+  _validate.check_quantized_state(state, "offload_state")  # a restored state: codes, scales
   state = _row_sharded.forget(state)  # no row routing for a host-resident state
   return jax.device_put(
       state, offload_shardings(state, params, shardings=shardings, memory_kind=memory_kind),
@@ -732,6 +733,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
                                                update_fn)
 
 
+@_validate.foreign_keywords
 def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, *, eps_mode: str = "hat", nesterov: bool = False,
                  weight_decay: Any = 0.0,

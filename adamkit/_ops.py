@@ -410,7 +410,8 @@ def _dense_quantized(h: Hyper, params, grads, state, offsets, flat: bool, decay:
   def kernel():
     variant, s = _kernel_args(h)
     ffi = _backend.native_ffi
-    kstate = tuple(ffi.Codes(b.codes, b.scales, _quant.code_book(b.fmt.kind, b.fmt.role),
+    kstate = tuple(ffi.Codes(b.codes, _quant.readable_scales(b.scales),
+                             _quant.code_book(b.fmt.kind, b.fmt.role),
                              _quant._midpoints(b.fmt.kind, b.fmt.role))
                    if _quant.is_qarray(b) else b for b in state)
     out = []

@@ -192,7 +192,7 @@ def as_format(name: str, value: Any) -> Any:
     return Quantized(value)
   from adamkit import _validate  # noqa: PLC0415 - _validate imports the lower modules
 
-  return _validate.check_dtype(name, value)
+  return _validate.check_moment_format(name, value)
 
 
 def is_quantized(fmt: Any) -> bool:
@@ -542,11 +542,19 @@ def encode_blocks(xb: jax.Array, fmt: Format, *, step: Any = None,
   return codes, scale
 
 
+def readable_scales(scales: jax.Array) -> jax.Array:
+  """``scales`` with each negative, NaN or infinite one (a corrupted state: the encoder
+  writes none) read as 0, so that its block reads back as zeros, as a fresh moment does,
+  instead of flipping signs or spreading NaN into the params. Elementwise on the scales
+  only (one per block)."""
+  return jnp.where((scales >= 0) & (scales <= np.finfo(np.float32).max), scales, 0.0)
+
+
 def decode_blocks(codes: jax.Array, scales: jax.Array, fmt: Format) -> jax.Array:
   """Float32 blocks from ``codes`` and ``scales`` (the inverse of :func:`encode_blocks`)."""
   if fmt.packed:
     codes = _unpack4(codes, fmt.block_size)
-  xb = _decode(codes, fmt) * scales[..., None]
+  xb = _decode(codes, fmt) * readable_scales(scales)[..., None]
   if fmt.role == "nu" and fmt.kind != "8bit":
     xb = xb * xb
   return xb

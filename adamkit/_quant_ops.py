@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from adamkit import _backend, _quant
+from adamkit import _backend, _quant, _validate
 from adamkit._dtypes import compute_dtype
 from adamkit._tree import is_tracer
 from adamkit._validate import path_name
@@ -112,7 +112,8 @@ def _kernel_requantize(rule: MomentRule, g: jax.Array, olds) -> list:
   variant = ffi.Variant("adamax" if rule.kind == "adamax" else "hat", amsgrad=len(olds) == 3)
   s = ffi.scalars(variant.kind, b1=rule.b1, b2=rule.b2, eps=0.0, lr=0.0, wd=0.0, bc1=1.0,
                   bc2=1.0)
-  codes = tuple(ffi.Codes(o.codes, o.scales, _quant.code_book(o.fmt.kind, o.fmt.role),
+  codes = tuple(ffi.Codes(o.codes, _quant.readable_scales(o.scales),
+                          _quant.code_book(o.fmt.kind, o.fmt.role),
                           _quant._midpoints(o.fmt.kind, o.fmt.role)) for o in olds)
   new = ffi.requantize(variant, s, g, codes, block=olds[0].fmt.block_size)
   return [_quant.QuantizedArray(k.codes, k.scales, o.shape, o.fmt) for k, o in zip(new, olds)]
@@ -517,12 +518,15 @@ def check_moments(updates: Any, moments: Any, fmt: Any, role: str, what: str) ->
           f"this optimizer stores it as {_describe(want, m)} ({role}_dtype={fmt!r}): a state "
           "from an optimizer with another moment format. Convert it with "
           "ak.load_state_dict(ak.state_dict(state), tx.init(params)).")
+    if have is not None:  # the fused steps' check (adamkit._fused): codes and scales too
+      _validate.check_quantized_layout(m, name, f"The optimizer state's {what}")
 
 
 def _describe(fmt, m) -> str:
   if fmt is None:
     return "an unquantized array" if not _quant.is_qarray(m) else f"{m.dtype} values"
-  return f"{fmt.kind!r} codes in blocks of {fmt.block_size}"
+  book = "a first moment's (signed)" if fmt.role == "mu" else "a second moment's (unsigned)"
+  return f"{fmt.kind!r} codes of {book} code book in blocks of {fmt.block_size}"
 
 
 # ------------------------------------------------------------- named float32 views
@@ -535,14 +539,16 @@ def to_numpy(q, gather=np.asarray) -> np.ndarray:
   return np.asarray(_quant.dequantize(_quant.QuantizedArray(codes, scales, q.shape, q.fmt)))
 
 
-def quantized_like(value: Any, like, step: Any) -> Any:
+def quantized_like(value: Any, like, step: Any, name: str = "the moment") -> Any:
   """Float ``value`` (``like``'s shape) stored in ``like``'s format, its codes and scales
   placed as ``like``'s are (device, sharding, memory kind; under ``jax.distributed`` each
   process places only its own shards). ``step``: the step count of the state it joins,
-  which keys the 4-bit first moment's dither."""
+  which keys the 4-bit first moment's dither. Non-finite values (and negative second
+  moments) raise a ValueError naming ``name``: the format cannot store them."""
   value = np.asarray(value, np.float32)
   if value.shape != tuple(like.shape):
     raise ValueError(f"shape {value.shape} does not match the moment's {tuple(like.shape)}")
+  _validate.check_moment_values(value, like.fmt, name)
   step = jnp.asarray(np.asarray(step).astype(np.int64).clip(0, np.iinfo(np.int32).max), jnp.int32)
   q = _quant.quantize(jnp.asarray(value), like.fmt, step=step)
   return _quant.QuantizedArray(_placed(q.codes, like.codes), _placed(q.scales, like.scales),

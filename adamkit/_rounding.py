@@ -123,10 +123,33 @@ def _in_space_of(x: jax.Array, bits: jax.Array) -> jax.Array:
   return bits if jax.typeof(bits).memory_space == space else jax.device_put(bits, space)
 
 
+_BF16_LAST = 0x7F7F  # the bit pattern of bfloat16's largest finite magnitude
+
+
+def _bf16_pattern(x32: jax.Array, bits: jax.Array) -> jax.Array:
+  """Stochastic rounding to bfloat16 on the bit patterns (uint32, the result's float32
+  bits): ``|x|``'s pattern truncated to its top 16 bits is the lower neighbour, plus 1 the
+  upper one (the next magnitude, also across a binade), chosen when ``bits >> 16`` is below
+  the 16 dropped bits, so with probability (dropped bits) / 2^16, exactly the dropped
+  fraction: E[SR(x)] = x for every finite float32, subnormals included.
+  No float arithmetic, so nothing is flushed (XLA:CPU flushes float32 subnormals, the gap
+  between the neighbours of an ``|x|`` under about 3e-36). The C++ kernel's rule."""
+  xb = jax.lax.bitcast_convert_type(x32, jnp.uint32)
+  mag = xb & np.uint32(0x7FFFFFFF)
+  up = (bits >> np.uint32(16)) < (mag & np.uint32(0xFFFF))
+  rounded = ((mag >> np.uint32(16)) + up.astype(jnp.uint32)) << np.uint32(16)
+  # NaN, infinities and magnitudes past the largest bfloat16 round to nearest, as astype
+  special = (mag >> np.uint32(16)) >= np.uint32(_BF16_LAST)
+  nearest = jax.lax.bitcast_convert_type(round_nearest(jnp.abs(x32), jnp.bfloat16), jnp.uint32)
+  return jnp.where(special, nearest, rounded) | (xb & np.uint32(0x80000000))
+
+
 def _round_with_bits(x32: jax.Array, dtype: np.dtype, bits: jax.Array) -> jax.Array:
   """Stochastic rounding of float32 ``x32`` to ``dtype`` given 32 random bits per element;
   the result is a float32 array of values of ``dtype``."""
   bits = _in_space_of(x32, bits)
+  if dtype == jnp.bfloat16:
+    return jax.lax.bitcast_convert_type(_bf16_pattern(x32, bits), jnp.float32)
   a = jnp.abs(x32)
   y32 = round_nearest(a, dtype)  # the nearest value of `dtype` to |x|: one neighbour
   # The other neighbour is one step of the bit pattern away: for a non-negative float,
@@ -171,7 +194,13 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
   :math:`p` is computed exactly and :math:`u` has 24 bits, so for bfloat16 (16 dropped
   bits) and float16 normals (13) the probability of rounding up is exactly the dropped
-  fraction; for float16 subnormals within :math:`2^{-24}` of it.
+  fraction; for float16 subnormals within :math:`2^{-24}` of it. For bfloat16 the same
+  decision is made on the bit patterns, up when ``b >> 16`` is below the 16 bits of
+  :math:`|x|` that bfloat16 drops (:math:`h` is then the next bit pattern after
+  :math:`\ell`'s), with no float arithmetic: :math:`E[\mathrm{SR}(x)] = x` holds for every
+  finite float32 :math:`x`, subnormals included (computed in floats, :math:`h - \ell`
+  under float32's smallest normal number, for :math:`|x|` below about 3e-36, is flushed to
+  zero on CPU). The C++ kernel's rounded step uses the same rule.
 
   .. warning::
     torchao's ``bf16_stochastic_round`` adds 16 random bits to the float32 bit pattern and
@@ -209,7 +238,11 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   k0, k1 = _key_words(key, "key")
   c0, c1 = _counters(np.shape(x))
   bits, _ = threefry2x32(k0, k1, c0, c1)
-  return _round_with_bits(jnp.asarray(x).astype(jnp.float32), dtype, bits).astype(dtype)
+  x32 = jnp.asarray(x).astype(jnp.float32)
+  if dtype == jnp.bfloat16:  # from the bits, never through a float conversion (subnormals)
+    pattern = _bf16_pattern(x32, _in_space_of(x32, bits)) >> np.uint32(16)
+    return jax.lax.bitcast_convert_type(pattern.astype(jnp.uint16), jnp.bfloat16)
+  return _round_with_bits(x32, dtype, bits).astype(dtype)
 
 
 # ------------------------------------------------------------------ one leaf's rule
@@ -263,6 +296,46 @@ def check_state(method: str, state: Any, what: str) -> None:
             f"a {type(state).__name__}")
     raise TypeError(f"{what.format(method)} takes the {want.__name__} its own init returns, "
                     f"got {came} as `state`.")
+
+
+def check_leaves(method: str, state: Any, params: Any, what: str) -> None:
+  """The per-leaf part of a rounding state must fit ``params``: a Kahan buffer per
+  low-precision leaf of its shape and dtype (``None`` for wider leaves); a stochastic key
+  of two uint32 scalars and an integer step count. Errors name the leaf and ``what``
+  (the call)."""
+  if method == "kahan":
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    try:
+      comps = treedef.flatten_up_to(state.compensation)
+    except (ValueError, TypeError):
+      raise ValueError(f"{what}: state.compensation does not match the params tree (a state "
+                       "made for other params?).") from None
+    for (path, p), c in zip(flat, comps):
+      want = (tuple(np.shape(p)), jnp.dtype(p.dtype).name) if is_low(p) else None
+      got = None if c is None else (tuple(np.shape(c)), jnp.dtype(c.dtype).name
+                                    if hasattr(c, "dtype") else type(c).__name__)
+      if got != want:
+        raise ValueError(
+            f"{what}: the Kahan buffer of '{path_name(path) or '<root>'}' is "
+            f"{'None' if got is None else f'{got[1]}{got[0]}'}; the param is "
+            f"{jnp.dtype(p.dtype).name}{tuple(np.shape(p))}, whose buffer is "
+            f"{'None (no buffer for a float32/float64 param)' if want is None else f'{want[1]}{want[0]}'}: "
+            "make the state with this transform's `init`.")
+  elif method == "stochastic":
+    key, step = state.key, state.step
+    words = tuple(key) if isinstance(key, (tuple, list)) else (key,)
+    if len(words) != 2 or any(_word_type(w) != ("uint32", ()) for w in words):
+      raise TypeError(
+          f"{what}: state.key must be two uint32 scalars (the raw threefry key's words), got "
+          f"{[_word_type(w) for w in words]}: make the state with this transform's `init`.")
+    if not jnp.issubdtype(getattr(step, "dtype", np.float64), jnp.integer) or np.ndim(step):
+      raise TypeError(f"{what}: state.step must be an integer scalar (the updates made), got "
+                      f"{_word_type(step)}.")
+
+
+def _word_type(x) -> tuple:
+  dtype = getattr(x, "dtype", None)
+  return (jnp.dtype(dtype).name if dtype is not None else type(x).__name__, tuple(np.shape(x)))
 
 
 # ------------------------------------------------------------------ the wrapper
@@ -437,6 +510,7 @@ def param_rounding(tx: optax.GradientTransformation, method: str, *,
       raise ValueError("param_rounding needs `params`: call `update(grads, state, params)`.")
     check_state(method, state, "param_rounding(method={!r}).update")
     _validate.check_matching_trees(updates, params)
+    check_leaves(method, state, params, f"param_rounding(method={method!r}).update")
     p_flat, treedef = jax.tree.flatten(params)
     g_flat = treedef.flatten_up_to(updates)
     low = [is_low(p) for p in p_flat]

@@ -259,6 +259,7 @@ def _check_format(name: str, x: Any, fmt: Any, role: str, what: str) -> None:
       raise ValueError(f"The {what} of '{name}' is stored as {x.fmt}, but this optimizer's "
                        f"`{arg}` stores it as {want or 'a float array'}: a state made with "
                        "another format or block size.")
+    _validate.check_quantized_layout(x, name, f"The optimizer state's {what}")  # codes, scales
   elif _quant.is_quantized(fmt) and fmt.pad and math.prod(x.shape) >= max(fmt.min_size, 1):
     # (with pad=False a float table is not told from its gathered rows: the offloaded
     # step hands in the touched rows alone, whose count may be a multiple of the block)
@@ -267,6 +268,7 @@ def _check_format(name: str, x: Any, fmt: Any, role: str, what: str) -> None:
                      "a state made with another format.")
 
 
+@_validate.foreign_keywords
 def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                          lazy: bool = True, eps_mode: str = "hat", nesterov: bool = False,
                          amsgrad: bool = False, bias_correction: bool = True,

@@ -107,7 +107,7 @@ def check_dtype(name: str, value: Any, *, complex_ok: bool = True) -> Any:
         "moments only (mu_dtype / nu_dtype).")
   try:
     dtype = jnp.dtype(value)
-  except TypeError as err:
+  except (TypeError, ValueError) as err:  # numpy: ValueError for some strings ("8-bit")
     raise TypeError(f"`{name}` must be a floating-point dtype such as jnp.float32 or "
                     f"jnp.bfloat16 (or None), got {value!r}: {err}.") from None
   ok = jnp.issubdtype(dtype, jnp.floating) or (
@@ -339,6 +339,9 @@ _FOREIGN_KEYWORDS = {
     "use_amsgrad": ("amsgrad", "`amsgrad`"),
     "use_nesterov": ("nesterov", "`nesterov`"),
     "lazy_mode": ("lazy", "`lazy`"),
+    "min_8bit_size": ("mu_dtype", "`mu_dtype=ak.Quantized('8bit', min_size=n)` and "
+                      "`nu_dtype=ak.Quantized('8bit', min_size=n)` (bitsandbytes' "
+                      "`min_8bit_size=n`: leaves of fewer elements keep float32 moments)"),
     "bf16_stochastic_round": ("param_rounding", "`param_rounding='stochastic'` (torchao's "
                               "`bf16_stochastic_round=True`)"),
 }
@@ -360,3 +363,174 @@ def foreign_keywords(fn):
     return fn(*args, **kwargs)
 
   return wrapper
+
+
+# ------------------------------------------------------------------ moment formats
+
+
+def _moment_kind_hint(value: str) -> str | None:
+  """The quantized kind a misspelt ``mu_dtype`` string stands for (``"8-bit"``, ``"INT8"``,
+  ``"4_bit"``...), or ``None``."""
+  key = value.lower().replace("-", "").replace("_", "").replace(" ", "")
+  for kind, spellings in (("8bit", ("8bit", "int8", "uint8", "8bits", "bnb8bit")),
+                          ("4bit", ("4bit", "int4", "uint4", "4bits")),
+                          ("fp8", ("fp8", "float8", "e4m3", "fp8e4m3"))):
+    if key in spellings:
+      return kind
+  return None
+
+
+_ACCEPTED_MOMENT_FORMATS = ("'8bit', '4bit', 'fp8', an ak.Quantized(kind, block_size=..., "
+                            "min_size=..., pad=...), or a floating-point dtype such as "
+                            "jnp.float32 or jnp.bfloat16 (or None: the param's dtype)")
+
+
+def check_moment_format(name: str, value: Any) -> Any:
+  """A ``mu_dtype`` / ``nu_dtype`` that is neither a quantized kind nor an
+  :class:`adamkit.Quantized`: ``None`` or a floating dtype, returned as
+  :func:`check_dtype` returns it. A misspelt kind (``"8-bit"``), an integer dtype
+  (``"int8"``) or an unknown string gets a TypeError naming ``name`` and the accepted
+  formats."""
+  if isinstance(value, str) and value not in QUANTIZED_KINDS:
+    hint = _moment_kind_hint(value)
+    if hint is not None:
+      raise TypeError(f"`{name}`={value!r} is not a moment format; for {hint} quantized "
+                      f"moments pass `{name}={hint!r}` (or ak.Quantized({hint!r}, ...)). "
+                      f"`{name}` takes {_ACCEPTED_MOMENT_FORMATS}.")
+    try:
+      jnp.dtype(value)
+    except (TypeError, ValueError):
+      raise TypeError(f"`{name}`={value!r} is not a moment format: `{name}` takes "
+                      f"{_ACCEPTED_MOMENT_FORMATS}.") from None
+  try:
+    return check_dtype(name, value)
+  except TypeError as err:
+    raise TypeError(f"{err} For quantized moments pass '8bit', '4bit' or 'fp8' (or "
+                    f"ak.Quantized(kind, ...)): `{name}` takes {_ACCEPTED_MOMENT_FORMATS}.") from None
+
+
+# ------------------------------------------------------------------ quantized moments
+
+
+def quantized_layout(q: Any) -> tuple:
+  """What a quantized moment's arrays must agree on: format (kind, role, block size), the
+  leaf's shape, and its codes' and scales' shapes and dtypes."""
+  return (q.fmt.kind, q.fmt.role, q.fmt.block_size, tuple(q.shape),
+          tuple(np.shape(q.codes)), _dtype_name(q.codes), tuple(np.shape(q.scales)),
+          _dtype_name(q.scales))
+
+
+def _dtype_name(x: Any) -> str | None:
+  dtype = getattr(x, "dtype", None)
+  return None if dtype is None else jnp.dtype(dtype).name
+
+
+def check_quantized_layout(q: Any, name: str, what: str = "state") -> None:
+  """``q``'s codes and scales must be the arrays its format lays out for its shape (uint8
+  codes, float32 scales, of the blocked shapes): a ValueError names the field, the leaf and
+  both layouts. Shapes and dtypes only: free inside ``jit``."""
+  want = jax.eval_shape(lambda: _quant.zeros(tuple(q.shape), q.fmt))
+  for field in ("codes", "scales"):
+    have, need = getattr(q, field), getattr(want, field)
+    got = (tuple(np.shape(have)), _dtype_name(have))
+    if got != (tuple(need.shape), jnp.dtype(need.dtype).name):
+      raise ValueError(
+          f"{what}: the quantized moment of '{name}' ({q.fmt.kind!r}, role {q.fmt.role!r}, "
+          f"blocks of {q.fmt.block_size}, shape {tuple(q.shape)}) has {field} of dtype "
+          f"{got[1]} and shape {got[0]}; its format stores {field} as {need.dtype}"
+          f"{tuple(need.shape)}. Make the state with the optimizer's `init`, or load it with "
+          "ak.load_state_dict(flat, tx.init(params)).")
+
+
+def _bad_codes(codes: np.ndarray, fmt: Any) -> np.ndarray:
+  """A mask of the codes that ``fmt``'s encoder never writes (each decodes to a value off
+  its code book): the 4-bit first moment's nibble 15 (its levels are 0..14), float8's NaN
+  codes (0x7F, 0xFF; e4m3fn has no infinities) and, in a second moment, a float8 code of a
+  negative number (other than -0). Every byte is a code of the 8-bit maps (256 values
+  each), and every nibble of the 4-bit second moment's (16)."""
+  if fmt.kind == "4bit" and fmt.role == "mu":
+    return ((codes & 0xF) == 0xF) | ((codes >> 4) == 0xF)
+  if fmt.kind == "fp8":
+    nan = (codes & 0x7F) == 0x7F
+    return nan | (codes > 0x80) if fmt.role == "nu" else nan
+  return np.zeros(codes.shape, bool)
+
+
+def check_quantized_values(q: Any, name: str, what: str = "state", slots: tuple = ()) -> None:
+  """A quantized moment entering from outside (a restored checkpoint, a state handed to
+  :func:`adamkit.offload_state`) must hold what its format writes: the layout of
+  :func:`check_quantized_layout`, every scale finite and >= 0, every code one its encoder
+  writes (see :func:`_bad_codes`). A ValueError names the leaf, the block and the value;
+  for a multi-tensor buffer ``slots`` (``(leaf name, element offset)`` of each leaf in it)
+  name the param whose block it is. Traced arrays: layout only (their values are not
+  known)."""
+  check_quantized_layout(q, name, what)
+  if _is_tracer(q.codes) or _is_tracer(q.scales):
+    return
+  scales = np.asarray(q.scales).reshape(-1)
+  bad = ~(np.isfinite(scales) & (scales >= 0))
+  if bad.any():
+    block = int(np.argmax(bad))
+    raise ValueError(
+        f"{what}: the quantized moment of '{name}' has scale {float(scales[block])} in block "
+        f"{block}{_slot_of(slots, block * q.fmt.block_size)} ({int(bad.sum())} bad of "
+        f"{scales.size}): a block's scale is its largest "
+        "magnitude, finite and >= 0. The state is corrupted; restore another checkpoint.")
+  codes = np.asarray(q.codes)
+  wrong = _bad_codes(codes, q.fmt).reshape(-1)
+  if wrong.any():
+    at = int(np.argmax(wrong))
+    valid = {("4bit", "mu"): "nibbles 0..14 (levels -7/7..7/7)",
+             ("fp8", "mu"): "float8 e4m3fn codes other than NaN (0x7F, 0xFF)",
+             ("fp8", "nu"): "float8 e4m3fn codes of numbers >= 0 (0x00..0x7E, 0x80)"}
+    raise ValueError(
+        f"{what}: the quantized moment of '{name}' ({q.fmt.kind!r}, role {q.fmt.role!r}) "
+        f"has code {int(codes.reshape(-1)[at]):#04x} at byte {at}"
+        f"{_slot_of(slots, at * (2 if q.fmt.packed else 1))} ({int(wrong.sum())} bad "
+        f"bytes); its format writes {valid[(q.fmt.kind, q.fmt.role)]}. The state is "
+        "corrupted; restore another checkpoint.")
+
+
+def _slot_of(slots: tuple, element: int) -> str:
+  """`` (param 'name')``: the leaf of a multi-tensor buffer holding ``element``."""
+  owner = [name for name, at in slots if at <= element]
+  return f" (param '{owner[-1]}')" if owner else ""
+
+
+def _is_flat_moments(x: Any) -> bool:  # adamkit._fused.FlatMoments (which imports this module)
+  return type(x).__name__ == "FlatMoments" and hasattr(x, "slots")
+
+
+def check_quantized_state(tree: Any, what: str = "state") -> None:
+  """:func:`check_quantized_values` on every quantized moment of ``tree`` (a whole
+  optimizer state, or part of one), named by its path in ``tree`` (and, in a multi-tensor
+  buffer, by the param whose block is bad)."""
+  flat = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: _quant.is_qarray(x) or _is_flat_moments(x))[0]
+  for path, leaf in flat:
+    name = path_name(path) or "<root>"
+    if _is_flat_moments(leaf):
+      for key, buf in leaf.items():
+        if _quant.is_qarray(buf):
+          slots = tuple((p, at) for p, _, k, at in leaf.slots if k == key)
+          check_quantized_values(buf, f"{name}.{key}", what, slots)
+    elif _quant.is_qarray(leaf):
+      check_quantized_values(leaf, name, what)
+
+
+def check_moment_values(value: Any, fmt: Any, name: str) -> None:
+  """Float values about to be stored in quantized format ``fmt`` (loaded from a state dict
+  or another framework's state) must be finite, and a second moment's >= 0: the formats
+  store neither NaN nor Inf (the encoder would write them as 0) nor, for ``"nu"``, a
+  negative value (written as 0). A ValueError names ``name``."""
+  value = np.asarray(value)
+  bad = ~np.isfinite(value)
+  if fmt.role == "nu":
+    bad |= value < 0
+  if bad.any():
+    at = np.unravel_index(int(np.argmax(bad)), value.shape) if value.ndim else ()
+    rule = "finite and >= 0 (a second moment)" if fmt.role == "nu" else "finite"
+    raise ValueError(
+        f"{name} holds {float(value[at])} at index {tuple(int(i) for i in at)} "
+        f"({int(bad.sum())} such values): the {fmt.kind!r} moment format stores {rule} "
+        "values only.")
