@@ -92,6 +92,8 @@ def kernel(tmp_path_factory):
 #   except the docs' pages, which all run, and the registry products above.
 SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
 SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
+              # 26 compiles for TPU and GPU targets (the table of docs/accelerators.md)
+              "test_accelerator.py::test_docs_device_table",
               "test_demo.py::test_demo_subset_and_plain_progress",
               # the same pages as test_readme.py's test_page_examples_run
               "test_composition.py::test_docs_examples_run",

@@ -68,9 +68,19 @@ def _jobs(item) -> list[tuple]:
       "test_step_temporaries_per_param": lambda: [("format", p["fmt"], "leaf", p["target"])],
       "test_transformer_tree_temporaries": lambda: [
           ("format", p["fmt"], "transformer", "v5e:2x2")],
+      "test_docs_device_table": lambda: [("format", f, "leaf", t) for f, t in DOC_CELLS],
       "test_tpu_bytes_accessed_against_optax": lambda: [
           ("format", p["fmt"], "leaf", "v5e:1x1"), ("format", "optax", "leaf", "v5e:1x1")],
   }.get(getattr(item, "originalname", item.name), list)()
+
+
+def run_worker(jobs: list, tmp: pathlib.Path) -> dict:
+  """``jobs``' results from one run of tests/accelerator_worker.py."""
+  (tmp / "jobs.json").write_text(json.dumps(jobs))
+  done = subprocess.run([sys.executable, str(WORKER), str(tmp / "jobs.json"), str(tmp / "out.json")],
+                        capture_output=True, text=True, timeout=1800, env=dict(os.environ))
+  assert done.returncode == 0, done.stderr[-4000:]
+  return json.loads((tmp / "out.json").read_text())
 
 
 @pytest.fixture(scope="session")
@@ -79,12 +89,7 @@ def compiled(request, kernel, tmp_path_factory):
   result (skips where the target's package is missing)."""
   jobs = sorted({j for item in request.session.items if item.path.name == "test_accelerator.py"
                  for j in _jobs(item)})
-  tmp = tmp_path_factory.mktemp("accelerator")
-  (tmp / "jobs.json").write_text(json.dumps(jobs))
-  done = subprocess.run([sys.executable, str(WORKER), str(tmp / "jobs.json"), str(tmp / "out.json")],
-                        capture_output=True, text=True, timeout=1800, env=dict(os.environ))
-  assert done.returncode == 0, done.stderr[-4000:]
-  results = json.loads((tmp / "out.json").read_text())
+  results = run_worker(jobs, tmp_path_factory.mktemp("accelerator"))
 
   def get(*job):
     r = results["|".join(job)]
@@ -156,6 +161,32 @@ def test_tpu_bytes_accessed_against_optax(compiled, fmt):
   ours = compiled("format", fmt, "leaf", "v5e:1x1")["figures"]["bytes_accessed"]
   theirs = compiled("format", "optax", "leaf", "v5e:1x1")["figures"]["bytes_accessed"]
   assert ours <= (1.05 if fmt == "float32" else 2.0) * theirs, ours / theirs
+
+
+DOCS = pathlib.Path(__file__).parents[1] / "docs" / "accelerators.md"
+DOC_ROWS = [f for f in FORMATS if f != "optax"]
+DOC_CELLS = [(f, t) for f in DOC_ROWS for t in TARGETS if not (f == "fused_8bit" and t == "v5e:2x2")]
+
+
+def device_table(get) -> str:
+  """The docs' table of temporaries per parameter, from the compiled programs."""
+  lines = ["| step | " + " | ".join(f"`{t}`" for t in TARGETS) + " |",
+           "|---|" + "---|" * len(TARGETS)]
+  for f in DOC_ROWS:
+    cells = [f"{_per_param(get('format', f, 'leaf', t)):.2f}" if (f, t) in DOC_CELLS
+             else "(reshards)" for t in TARGETS]
+    lines.append(f"| {f} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def test_docs_device_table(compiled):
+  """docs/accelerators.md's table is the compiled programs' (regenerate it with
+  ``python tests/test_accelerator.py``)."""
+  text = DOCS.read_text()
+  marker = "<!-- adamkit: device temporaries table -->\n\n"
+  assert marker in text
+  shown = text.split(marker, 1)[1].split("\n\n", 1)[0]
+  assert shown == device_table(compiled)
 
 
 # ------------------------------------------------------------------ memory_report and errors
@@ -252,3 +283,16 @@ def test_transformer_shapes_count():
   p = _targets.transformer_shapes(vocab=10, d_model=d, layers=2)
   per_layer = d * 3 * d + d * d + d * 4 * d + 4 * d * d + 2 * d
   assert _targets.params_count(p) == 10 * d + 2 * per_layer + d
+
+
+if __name__ == "__main__":  # rewrites docs/accelerators.md's table from fresh compiles
+  import tempfile
+
+  with tempfile.TemporaryDirectory() as d:
+    got = run_worker([("format", f, "leaf", t) for f, t in DOC_CELLS], pathlib.Path(d))
+  table = device_table(lambda *job: got["|".join(job)])
+  marker = "<!-- adamkit: device temporaries table -->\n\n"
+  head, tail = DOCS.read_text().split(marker, 1)
+  rest = tail.split("\n\n", 1)[1] if tail.startswith("|") else tail
+  DOCS.write_text(head + marker + table + "\n\n" + rest)
+  print(table)
