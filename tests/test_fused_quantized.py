@@ -371,6 +371,9 @@ def test_4bit_first_moment_codes_are_the_dither_reference(multi_tensor):
       np.testing.assert_array_equal(levels, want, err_msg=f"{name} step {t}")
 
 
+EXACT = ak.Quantized("8bit", exact=True)  # torchao's arithmetic (no floor of v)
+
+
 def test_torchao_adamw8bit_replay(kernel):
   """The fused 8-bit step on the kernel replays torchao's AdamW8bit within 0.1 x lr at
   every step (the golden README: a wrong map or per-tensor scales land 0.45 x lr away)."""
@@ -378,7 +381,7 @@ def test_torchao_adamw8bit_replay(kernel):
   lr = float(d["lr"])
   opt = ak.fused_adamw(lr, float(d["b1"]), float(d["b2"]), float(d["eps"]),
                        weight_decay=float(d["weight_decay"]), weight_decay_mask=None,
-                       mu_dtype="8bit", nu_dtype="8bit", backend="kernel")
+                       mu_dtype=EXACT, nu_dtype=EXACT, backend="kernel")
   params = {k: jnp.asarray(d[f"init.{k}"]) for k in ("b", "w")}
   state = opt.init(params)
   assert state.mu["8bit"].shape == (64 * 256,) and state.mu["float32"].shape == (300,)
@@ -400,7 +403,7 @@ def test_torchao_adamw8bit_other_runs(kernel, run):
   kept in float32 by ``pad=False`` as torchao keeps it."""
   config, init, grads, recorded, quantized = load_ao_8bit_run(run)
   kw, lrs = config["kwargs"], config["lr"]
-  q = ak.Quantized("8bit", block_size=kw.get("block_size"), pad=False)
+  q = ak.Quantized("8bit", block_size=kw.get("block_size"), pad=False, exact=True)
   opt = ak.fused_adamw(lambda count: jnp.asarray(lrs)[count], *kw.get("betas", (0.9, 0.999)),
                        kw.get("eps", 1e-8), weight_decay=kw["weight_decay"],
                        weight_decay_mask=None, mu_dtype=q, nu_dtype=q, backend="kernel")
