@@ -55,7 +55,7 @@ def _direct_codes(g, block, amsgrad=False):
   for role in roles:
     z = _quant.zeros((n,), _quant.Format("8bit", role, block))
     state.append(ffi.Codes(z.codes, z.scales, _quant.code_book("8bit", role),
-                           _quant._midpoints("8bit", role)))
+                           _quant.kernel_midpoints(z.fmt)))
   _, out = jax.jit(functools.partial(ffi.dense_step_quantized, variant, offsets=[0] * len(roles),
                                      block=block))(s, [jnp.zeros_like(g)], [g], tuple(state))
   return [(np.asarray(c.codes).reshape(-1, block), np.asarray(c.scales)) for c in out]
@@ -75,7 +75,11 @@ def _hard_values(block, seed=0):
       rows.append(row)
   special = np.zeros(block, F32)
   special[: min(block, 6)] = [np.nan, np.inf, -np.inf, -0.0, 1e-40, -3.0][: min(block, 6)]
-  rows += [special, np.zeros(block, F32), np.full(block, 1e-38, F32)]
+  # the second moment's floor: g * g at 2^-126 (and a float32 either side) beside g = 1
+  floor = np.resize(np.array([2.0**-63, np.nextafter(F32(2.0**-63), F32(0)),
+                              np.nextafter(F32(2.0**-63), F32(1)), -(2.0**-63)], F32), block)
+  floor[-1] = 1.0
+  rows += [special, np.zeros(block, F32), np.full(block, 1e-38, F32), floor]
   return np.concatenate([x, np.stack(rows)]).reshape(-1)
 
 
@@ -107,7 +111,7 @@ def test_kernel_codes_in_multi_leaf_calls_with_partial_blocks(kernel):
   for fmt in fmts:
     z = _quant.zeros((blocks * 256 + 512,), fmt)  # two spare blocks, left untouched
     state.append(ffi.Codes(z.codes.at[-1].set(7), z.scales.at[-1].set(3.0),
-                           _quant.code_book("8bit", fmt.role), _quant._midpoints("8bit", fmt.role)))
+                           _quant.code_book("8bit", fmt.role), _quant.kernel_midpoints(fmt)))
   s = ffi.scalars("hat", b1=0.0, b2=0.0, eps=1e-8, lr=0.1, wd=0.0, bc1=1.0, bc2=1.0)
   _, out = jax.jit(functools.partial(ffi.dense_step_quantized, ffi.Variant("hat"),
                                      offsets=[1, 1], block=256))(s, [jnp.zeros_like(g) for g in gs],
@@ -148,7 +152,10 @@ class NumpyQuantizedAdamW:
       xb = np.maximum(xb, F32(0))
     scale = np.maximum(np.abs(xb).max(axis=1), F32(1e-12))
     r = xb * (F32(1) / scale)[:, None]
-    return np.searchsorted(_quant._midpoints("8bit", role), r, side="right"), scale
+    codes = np.searchsorted(_quant._midpoints("8bit", role), r, side="right")
+    if role == "nu":  # the floor: a positive r from 2^-126 up is never the code of 0
+      codes = np.where((codes == 0) & (r >= F32(2.0**-126)), 1, codes)
+    return codes, scale
 
   def decode(self, stored, role, shape):
     codes, scale = stored
@@ -824,6 +831,6 @@ def test_chain_form_on_the_kernel_matches_the_xla_loop(kernel, monkeypatch):
         p = jax.tree.map(lambda a, b: a + b, p, u)
     runs.append((p, state))
     monkeypatch.setattr(_quant_ops, "_on_kernel", lambda *a: calls.append(False) or False)
-  assert True in calls[:6]  # the first run took the kernel (for w, 2^16 elements)
+  assert any(calls[:6])  # the first run took the kernel (for w, 2^16 elements): "now"
   for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
