@@ -74,9 +74,6 @@ from adamkit._rounding import (
 )
 from adamkit._schedules import as_schedule
 
-# Planning memory for a TPU or GPU from a machine without one (deviceless compilation).
-from adamkit._targets import MemoryReport, memory_report
-
 # Sparse Adam for embedding tables.
 from adamkit._sparse import (
     ScaleBySparseAdamState,
@@ -90,6 +87,9 @@ from adamkit._sparse import (
 )
 from adamkit._sparse_grad import GatheredRows, lookup, sparse_grad, value_and_sparse_grad
 from adamkit._sparse_types import RowSparse
+
+# Planning memory for a TPU or GPU from a machine without one (deviceless compilation).
+from adamkit._targets import MemoryReport, memory_report
 
 __version__ = "0.2.0"
 

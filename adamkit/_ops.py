@@ -411,8 +411,7 @@ def _dense_quantized(h: Hyper, params, grads, state, offsets, flat: bool, decay:
     variant, s = _kernel_args(h)
     ffi = _backend.native_ffi
     kstate = tuple(ffi.Codes(b.codes, _quant.readable_scales(b.scales),
-                             _quant.code_book(b.fmt.kind, b.fmt.role),
-                             _quant._midpoints(b.fmt.kind, b.fmt.role))
+                             _quant.code_book(b.fmt.kind, b.fmt.role), _quant.kernel_midpoints(b.fmt))
                    if _quant.is_qarray(b) else b for b in state)
     out = []
     for lo in range(0, len(params), LEAVES_PER_CALL):

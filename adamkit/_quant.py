@@ -47,13 +47,26 @@ class Quantized:
   its dynamic range is the gradient's, not the square of it), and the code book :math:`q`
   and the rounding depend on ``kind``:
 
-  * ``"8bit"``: bitsandbytes' / torchao's format exactly. 256 codes of the "dynamic" map
+  * ``"8bit"``: bitsandbytes' / torchao's format. 256 codes of the "dynamic" map
     (7 decades :math:`10^{-6} \dots 1`, signed for the first moment, unsigned with twice
     the resolution for the second), nearest code, ties rounded up. 2 bytes per parameter
-    for both moments, plus a float32 scale per block (default 256: 2.03 bytes). As in
-    the anchors, a :math:`v` under :math:`1.6\cdot 10^{-7}` of its block's maximum rounds
-    to 0; where its :math:`m` does not, :math:`m/(\sqrt{v}+\epsilon)` is huge at the next
-    step: one of the low-memory guide's six checking runs of a small MLP diverges so.
+    for both moments, plus a float32 scale per block (default 256: 2.03 bytes). One
+    difference, for the second moment only: a positive :math:`r = v/s_b` under the first
+    midpoint :math:`\mu_0 = 1.6\cdot 10^{-7}` is stored as the smallest non-zero code
+    :math:`q_1 = 3.25\cdot 10^{-7}` instead of 0,
+
+    .. math::
+
+      c_i = \begin{cases} 1 & 2^{-126} \le r_i < \mu_0 \\
+                          \mathrm{round}(r_i) & \text{otherwise} \end{cases}
+
+    (:math:`2^{-126}`, the smallest normal float32, keeps 0 for values that XLA:CPU flushes
+    anyway), so a non-zero :math:`v` never reads back as 0. In the anchors' arithmetic
+    (``exact=True``) it does, and where its :math:`m` is not 0 (a weight whose gradient
+    fell to 0 in a block whose maximum is large), :math:`m/(\sqrt{v}+\epsilon)` moves the
+    weight hundreds of learning rates in one step (1,186 lr in the reduced case of the
+    tests, where float32 Adam moves 1.0); with the floor a step stays within float32
+    Adam's own bound. The first moment and every other code are the anchors'.
     The step's arithmetic is bitsandbytes': :math:`\beta_1 m + (1-\beta_1) g` and codes
     of :math:`x \cdot (1/s_b)`; torchao forms the moments by ``lerp`` and divides by
     :math:`s_b`, a float32 rounding apart. A code at a rounding boundary then flips, and
@@ -117,11 +130,15 @@ class Quantized:
     pad: whether a leaf whose size is not a multiple of the block is padded to whole
       blocks (``True``, bitsandbytes' rule) or keeps float32 moments (``False``,
       torchao's).
+    exact: ``"8bit"`` only: ``True`` stores the second moment with bitsandbytes' and
+      torchao's arithmetic bit for bit (a small :math:`v` may round to 0), for ports and
+      replays of their runs; ``False`` (the default) floors a non-zero :math:`v` at the
+      smallest non-zero code (see above).
 
   Examples:
     >>> import adamkit as ak
     >>> ak.Quantized("8bit")
-    Quantized(kind='8bit', block_size=None, min_size=4096, pad=True)
+    Quantized(kind='8bit', block_size=None, min_size=4096, pad=True, exact=False)
     >>> ak.Quantized("4bit", block_size=64).block_size
     64
     >>> q = ak.Quantized("8bit", pad=False)  # torchao's AdamW8bit: 4900 % 256 != 0
@@ -138,6 +155,7 @@ class Quantized:
   block_size: int | None = None
   min_size: int = 4096
   pad: bool = True
+  exact: bool = False
 
   def __post_init__(self):
     if not isinstance(self.kind, str) or self.kind not in KINDS:
@@ -155,6 +173,10 @@ class Quantized:
       raise ValueError(f"Quantized `min_size` must be an integer >= 0, got {m!r}.")
     if not isinstance(self.pad, (bool, np.bool_)):
       raise ValueError(f"Quantized `pad` must be True or False, got {self.pad!r}.")
+    if not isinstance(self.exact, (bool, np.bool_)) or (self.exact and self.kind != "8bit"):
+      raise ValueError(f"Quantized `exact` must be True or False, and True for '8bit' only "
+                       f"(bitsandbytes' and torchao's arithmetic), got {self.exact!r} for "
+                       f"{self.kind!r}.")
 
   def quantizes(self, shape: tuple, role: str, fmt: Format | None = None) -> bool:
     """Whether a moment (``role`` "mu" or "nu") of a leaf of ``shape`` is stored in this
@@ -174,6 +196,7 @@ class Format:
   kind: str
   role: str
   block_size: int
+  exact: bool = False  # "8bit": no floor of the second moment (Quantized's `exact`)
 
   @property
   def packed(self) -> bool:  # two 4-bit codes per byte
@@ -200,7 +223,7 @@ def is_quantized(fmt: Any) -> bool:
 
 
 def resolve(q: Quantized, role: str) -> Format:
-  return Format(q.kind, role, q.block_size or DEFAULT_BLOCK[(q.kind, role)])
+  return Format(q.kind, role, q.block_size or DEFAULT_BLOCK[(q.kind, role)], bool(q.exact))
 
 
 # ----------------------------------------------------------------------------- code books
@@ -250,6 +273,26 @@ def code_book(kind: str, role: str) -> np.ndarray:
 def _midpoints(kind: str, role: str) -> np.ndarray:
   q = code_book(kind, role).astype(np.float32)
   return ((q[:-1] + q[1:]) / np.float32(2.0)).astype(np.float32)
+
+
+NU_FLOOR = np.float32(2.0**-126)  # 8-bit v / scale from here up never gets the code of 0
+
+
+def floors(fmt: Format) -> bool:
+  """Whether ``fmt`` stores a positive ``v / scale`` under the first midpoint as the
+  smallest non-zero code (the 8-bit second moment without ``exact``; see :class:`Quantized`)."""
+  return fmt.kind == "8bit" and fmt.role == "nu" and not fmt.exact
+
+
+def kernel_midpoints(fmt: Format) -> np.ndarray:
+  """The 255 midpoints the C++ kernels encode ``fmt`` with (the code of ``r`` is the
+  number of midpoints ``<= r``): the code book's, with the floor's (:func:`floors`) first
+  midpoint lowered to :data:`NU_FLOOR`, so that the kernels' codes are the JAX encoder's."""
+  mids = _midpoints(fmt.kind, fmt.role)
+  if floors(fmt):
+    mids = mids.copy()
+    mids[0] = NU_FLOOR  # code 0 (the value 0) below it, code 1 from it up
+  return mids
 
 
 # 8-bit: the nearest code of r is the number of midpoints <= r (ties up). |r| is cut into
@@ -475,7 +518,10 @@ def _encode(r: jax.Array, fmt: Format, u: Callable[[], jax.Array] | None = None)
   """Codes (uint8) of ``r = x / scale`` in [-1, 1] (``"mu"``) or [0, 1] (``"nu"``); ``u()``
   gives the dither of a stochastically rounded format (the 4-bit first moment)."""
   if fmt.kind == "8bit":
-    return _encode_8bit(r, fmt.role)
+    codes = _encode_8bit(r, fmt.role)
+    if floors(fmt):  # a non-zero v never reads back as 0 (code 0 of "nu" is the value 0)
+      codes = jnp.where((codes == 0) & (r >= NU_FLOOR), jnp.uint8(1), codes)
+    return codes
   if fmt.kind == "4bit":
     return _encode_4bit_mu(r, u()) if fmt.role == "mu" else _encode_4bit_nu(r)
   y = jnp.clip(r * np.float32(FP8_MAX), -FP8_MAX, FP8_MAX)
@@ -581,7 +627,8 @@ def dequantize(q: QuantizedArray) -> jax.Array:
 def zeros(shape: tuple, fmt: Format) -> QuantizedArray:
   """The quantized zeros of ``shape`` (every code reads back 0, every scale the floor)."""
   bshape = blocked_shape(tuple(shape), fmt.block_size)
-  zero = quantize(jnp.zeros(bshape[-1:], jnp.float32), Format(fmt.kind, fmt.role, bshape[-1]),
+  zero = quantize(jnp.zeros(bshape[-1:], jnp.float32),
+                  dataclasses.replace(fmt, block_size=bshape[-1]),
                   step=0)  # zeros: every dither gives the code of 0
   code0 = zero.codes.reshape(-1)[0]
   cshape = bshape[:-1] + ((bshape[-1] + 1) // 2 if fmt.packed else bshape[-1],)
@@ -640,7 +687,7 @@ def table_format(q: Quantized, role: str, shape: tuple) -> Format:
   fmt = resolve(q, role)
   row = math.prod(shape[1:])
   if len(shape) >= 2 and row > 0 and not rows_apart(shape, fmt):
-    return Format(fmt.kind, role, row)
+    return dataclasses.replace(fmt, block_size=row)
   return fmt
 
 

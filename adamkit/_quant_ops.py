@@ -113,8 +113,8 @@ def _kernel_requantize(rule: MomentRule, g: jax.Array, olds) -> list:
   s = ffi.scalars(variant.kind, b1=rule.b1, b2=rule.b2, eps=0.0, lr=0.0, wd=0.0, bc1=1.0,
                   bc2=1.0)
   codes = tuple(ffi.Codes(o.codes, _quant.readable_scales(o.scales),
-                          _quant.code_book(o.fmt.kind, o.fmt.role),
-                          _quant._midpoints(o.fmt.kind, o.fmt.role)) for o in olds)
+                          _quant.code_book(o.fmt.kind, o.fmt.role), _quant.kernel_midpoints(o.fmt))
+                for o in olds)
   new = ffi.requantize(variant, s, g, codes, block=olds[0].fmt.block_size)
   return [_quant.QuantizedArray(k.codes, k.scales, o.shape, o.fmt) for k, o in zip(new, olds)]
 

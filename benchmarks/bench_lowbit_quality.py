@@ -107,9 +107,10 @@ FLOAT32 = Storage("float32", lambda p, role: jnp.zeros_like(p, jnp.float32), lam
                   lambda x, s, t: x, lambda s: s.size * 4)
 
 
-def adamkit_storage(kind: str) -> Storage:
-  fmt = _quant.Quantized(kind)  # min_size=4096: smaller leaves stay float32
-  return Storage(f"adamkit {kind}", lambda p, role: _quant.init_moment(p, fmt, role),
+def adamkit_storage(kind: str, exact: bool = False) -> Storage:
+  fmt = _quant.Quantized(kind, exact=exact)  # min_size=4096: smaller leaves stay float32
+  name = f"adamkit {kind}" + (" exact (= bitsandbytes / torchao)" if exact else "")
+  return Storage(name, lambda p, role: _quant.init_moment(p, fmt, role),
                  _quant.load, lambda x, s, t: _quant.store(x, s, step=t),
                  lambda s: s.nbytes if _quant.is_qarray(s) else s.size * 4)
 
@@ -196,7 +197,8 @@ def torchao_fp8_storage() -> Storage:
 
 
 def storages() -> list[Storage]:
-  return [FLOAT32, adamkit_storage("8bit"), adamkit_storage("4bit"), adamkit_storage("fp8"),
+  return [FLOAT32, adamkit_storage("8bit"), adamkit_storage("8bit", exact=True),
+          adamkit_storage("4bit"), adamkit_storage("fp8"),
           torchao_4bit_storage(), torchao_fp8_storage()]
 
 

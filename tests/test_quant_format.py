@@ -92,23 +92,36 @@ def bucket_edges(role):
 
 @pytest.mark.parametrize("role", Q.ROLES)
 def test_8bit_encode_equals_midpoint_count_everywhere(role):
-  r = bucket_edges(role)
-  want = np.searchsorted(Q._midpoints("8bit", role), r, side="right")  # midpoints <= r
-  got = np.asarray(Q._encode(jnp.asarray(r), fmt("8bit", role)))
-  bad = np.flatnonzero(got != want)
-  assert bad.size == 0, (r[bad][:5], got[bad][:5], want[bad][:5])
+  """The code is the number of midpoints <= r: the code book's (exact=True), and with the
+  second moment's floor (the default) the kernels' midpoints, whose first is 2^-126."""
+  floor = np.float32(2.0**-126)
+  r = np.concatenate([bucket_edges(role), [floor, np.nextafter(floor, np.float32(0)),
+                                           np.nextafter(floor, np.float32(1)), 1e-30]])
+  r = r.astype(np.float32)
+  for exact in (True, False):
+    f = Q.resolve(Q.Quantized("8bit", exact=exact), role)
+    mids = Q._midpoints("8bit", role).astype(np.float64)
+    if role == "nu" and not exact:
+      mids[0] = floor  # a positive v / scale from 2^-126 up never gets the code of 0
+    np.testing.assert_array_equal(Q.kernel_midpoints(f), mids.astype(np.float32))
+    want = np.searchsorted(mids, r.astype(np.float64), side="right")  # midpoints <= r
+    got = np.asarray(Q._encode(jnp.asarray(r), f))
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, (exact, r[bad][:5], got[bad][:5], want[bad][:5])
 
 
 @pytest.mark.parametrize("role", Q.ROLES)
 def test_8bit_encode_is_nearest_ties_up(role):
   """Against a float64 brute force over the book: the code is a nearest value, and of two
-  equally near values (up to the float32 rounding of their midpoint) the larger."""
+  equally near values (up to the float32 rounding of their midpoint) the larger (exact=True:
+  the default floors a small second moment, test_quant_floor.py)."""
   rng = np.random.default_rng(0)
   mag = np.exp(rng.uniform(np.log(1e-8), 0.0, 20000))
   r = (mag * (rng.choice([-1, 1], mag.size) if role == "mu" else 1)).astype(np.float32)
   r = np.concatenate([r, Q._midpoints("8bit", role), Q.code_book("8bit", role)])
   book = Q.code_book("8bit", role).astype(np.float64)
-  got = np.asarray(Q._encode(jnp.asarray(r), fmt("8bit", role))).astype(np.int64)
+  exact = Q.resolve(Q.Quantized("8bit", exact=True), role)
+  got = np.asarray(Q._encode(jnp.asarray(r), exact)).astype(np.int64)
   dist = np.abs(r.astype(np.float64)[:, None] - book[None, :])
   best = dist.min(axis=1)
   # The midpoint is rounded to float32 (by up to half an ulp, 2^-24 |r|), which moves the

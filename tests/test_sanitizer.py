@@ -6,8 +6,9 @@ every entry point (``sparse_adam`` and ``sparse_adamw(amsgrad=True)`` + ``apply_
 between dense leaves, ``fused_sparse_lazy_adam``, the dense step of every variant, the
 dense step with 8-bit quantized moments, the chain form's requantization of 8-bit moments
 (``adamw``, ``adam(amsgrad=True)``, ``adamax``), the rounded dense step on bf16 params
-(``param_rounding``), and each kernel called directly past the Python checks) with
-adversarial inputs, in a
+(``param_rounding``), and each kernel called directly past the Python checks, including
+every malformed attribute of tests/kernel_attrs.py: offsets at INT64_MAX, sums that wrap)
+with adversarial inputs, in a
 subprocess with AddressSanitizer preloaded (built and run in the background from the end
 of collection on, beside the rest of the suite: tests/background.py). Passes when the subprocess reports zero
 sanitizer errors and no row of a table or moment that no valid id addresses has changed.
@@ -417,6 +418,15 @@ def _drive():  # noqa: C901 - one list of cases
        r_outs[:3]),  # three state buffers, two results
   ]:
     refused(call, "adamkit_cpu_step_rounded", outs, s9, *operands, **attrs)
+  # --- every handler's attributes and sizes at and past the ends of their ranges
+  # (tests/kernel_attrs.py: INT64_MAX / INT64_MIN offsets, sums that wrap int64, products
+  # that overflow it, block sizes and row counts out of range): the expected error, the
+  # operands unchanged, or at the edge of a range a run that keeps what lies outside it
+  import kernel_attrs
+
+  for c in kernel_attrs.calls():
+    kernel_attrs.check(c)
+    counts["refused" if c.error else "cases"] += 1
   print(f"sanitizer driver: all {counts['cases']} cases held, {counts['refused']} malformed "
         "inputs refused")
 

@@ -200,10 +200,68 @@ ChunkFn Pick(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, bool stor
                                 : PickNesterov<kAdamax>(nesterov, decay, amsgrad, store_u);
 }
 
-// The variant attributes every handler checks before touching a buffer.
+// ------------------------------------------------------------------ checks of a call
+// Every handler checks its attributes and each buffer against that buffer's own size before
+// it reads or writes any, and every check is free of overflow: a value is first checked to
+// be in range (non-negative, at most a size), then compared with a difference (`n <= size -
+// at`), never with a sum (`at + n <= size`, which an attribute near INT64_MAX wraps). A
+// malformed call (a direct jax.ffi.ffi_call) gets an InvalidArgument error naming the
+// attribute or buffer and the accepted range.
+
+// Whether [at, at + n) lies within [0, size), all three non-negative (overflow-free).
+inline bool Fits(int64_t at, int64_t n, int64_t size) {
+  return at >= 0 && n >= 0 && size >= 0 && at <= size && n <= size - at;
+}
+
+// The product of dims[from:] in *out; false when it overflows int64 or a dimension is
+// negative (a zero-sized buffer may carry any other dimensions).
+template <typename Dims>
+bool CountOf(const Dims& dims, size_t from, int64_t* out) {
+  int64_t n = 1;
+  for (size_t d = from; d < dims.size(); ++d) {
+    if (dims[d] < 0 || __builtin_mul_overflow(n, static_cast<int64_t>(dims[d]), &n)) return false;
+  }
+  *out = n;
+  return true;
+}
+
+std::string Str(int64_t x) { return std::to_string(x); }
+
+// The variant attributes every handler checks before touching a buffer: "" when they are
+// valid, else what is wrong (the attribute, its value and the accepted values).
+std::string VariantError(int64_t kind, bool nesterov, int64_t decay, bool amsgrad,
+                         int64_t state) {
+  if (kind < kAdamHat || kind > kAdamax) {
+    return "attribute kind = " + Str(kind) + " must be 0 (Adam, hat), 1 (Adam, corrected) or 2 "
+           "(AdaMax)";
+  }
+  if (decay < kNoDecay || decay > kDecoupled) {
+    return "attribute decay = " + Str(decay) + " must be 0 (none), 1 (L2) or 2 (decoupled)";
+  }
+  if ((amsgrad || nesterov) && kind == kAdamax) {
+    return "attributes amsgrad and nesterov must be false for kind 2 (AdaMax)";
+  }
+  if (state != StateBuffers(amsgrad)) {
+    return "attribute state = " + Str(state) + " must be " + Str(StateBuffers(amsgrad)) +
+           " (the state buffers of amsgrad = " + (amsgrad ? "true" : "false") + ")";
+  }
+  return "";
+}
+
 bool ValidVariant(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t state) {
-  return kind >= kAdamHat && kind <= kAdamax && decay >= kNoDecay && decay <= kDecoupled &&
-         !((amsgrad || nesterov) && kind == kAdamax) && state == StateBuffers(amsgrad);
+  return VariantError(kind, nesterov, decay, amsgrad, state).empty();
+}
+
+// The check of an element offset into state buffers of the given sizes: "" when 0 <= offset
+// <= the smallest size.
+std::string OffsetError(const char* name, int64_t offset, const int64_t* sizes, int64_t count) {
+  int64_t smallest = INT64_MAX;
+  for (int64_t k = 0; k < count; ++k) smallest = std::min(smallest, sizes[k]);
+  if (count > 0 && (offset < 0 || offset > smallest)) {
+    return std::string("attribute ") + name + " = " + Str(offset) + " must be in [0, " +
+           Str(smallest) + "] (the smallest state buffer's size)";
+  }
+  return "";
 }
 
 int64_t Threads(ffi::ThreadPool& pool) { return std::max<int64_t>(pool.num_threads(), 1); }
@@ -277,19 +335,18 @@ void RunRange(ChunkFn fn, const std::vector<Leaf>& leaves, const float* s, int64
 ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::RemainingArgs args,
                 ffi::RemainingRets rets, int64_t kind, bool nesterov, int64_t decay,
                 bool amsgrad, int64_t offset, int64_t state) {
-  if (scalars.element_count() != 9) {
-    return ffi::Error::InvalidArgument("adamkit cpu step: expected 9 scalars");
-  }
-  if (!ValidVariant(kind, nesterov, decay, amsgrad, state)) {
-    return ffi::Error::InvalidArgument("adamkit cpu step: unknown variant or state count");
-  }
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("adamkit cpu step: " + what);
+  };
+  if (scalars.element_count() != 9) return bad("expected 9 scalars");
+  const std::string variant = VariantError(kind, nesterov, decay, amsgrad, state);
+  if (!variant.empty()) return bad(variant);
   const size_t nstate = static_cast<size_t>(state);
   if (args.size() < 2 + nstate || (args.size() - nstate) % 2 != 0 ||
       rets.size() != (args.size() - nstate) / 2 + nstate) {
-    return ffi::Error::InvalidArgument(
-        "adamkit cpu step: expected 2L+S arguments, L+S results (S state buffers)");
+    return bad("expected 2L+S arguments, L+S results (S state buffers)");
   }
-  if (offset < 0) return ffi::Error::InvalidArgument("adamkit cpu step: negative offset");
+  if (offset < 0) return bad("attribute offset = " + Str(offset) + " must be >= 0");
   const size_t num = (args.size() - nstate) / 2;
   float* moments[kMaxStateBuffers] = {nullptr, nullptr, nullptr};
   int64_t moment_size[kMaxStateBuffers] = {0, 0, 0};
@@ -300,11 +357,13 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
     if (out.has_error()) return out.error();
     moment_size[k] = static_cast<int64_t>(in->element_count());
     if (static_cast<int64_t>((*out)->element_count()) != moment_size[k]) {
-      return ffi::Error::InvalidArgument("adamkit cpu step: a moment result differs from its input");
+      return bad("a moment result differs from its input");
     }
     moments[k] = (*out)->typed_data();
     if (moments[k] != in->typed_data()) std::copy_n(in->typed_data(), moment_size[k], moments[k]);
   }
+  const std::string at_error = OffsetError("offset", offset, moment_size, state);
+  if (!at_error.empty()) return bad(at_error);
   std::vector<Leaf> leaves(num);
   int64_t total = 0;
   for (size_t i = 0; i < num; ++i) {
@@ -317,12 +376,12 @@ ffi::Error Step(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars, ffi::Rema
     const int64_t n = static_cast<int64_t>(p->element_count());
     if (static_cast<int64_t>(g->element_count()) != n ||
         static_cast<int64_t>((*p_out)->element_count()) != n) {
-      return ffi::Error::InvalidArgument("adamkit cpu step: a gradient differs from its param");
+      return bad("a gradient differs from its param");
     }
-    for (size_t k = 0; k < nstate; ++k) {
-      if (offset + total + n > moment_size[k]) {
-        return ffi::Error::InvalidArgument(
-            "adamkit cpu step: a moment buffer is smaller than its params");
+    for (size_t k = 0; k < nstate; ++k) {  // offset + total <= size (checked before)
+      if (n > moment_size[k] - offset - total) {
+        return bad("a state buffer (" + Str(moment_size[k]) + " elements) is smaller than its " +
+                   "params from attribute offset = " + Str(offset));
       }
     }
     float* po = (*p_out)->typed_data();
@@ -396,21 +455,21 @@ inline uint32_t Threefry2x32(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1)
   return x0;
 }
 
-// Stochastic rounding of x to bfloat16 with 32 random bits (_rounding._round_with_bits):
-// lo <= |x| < hi its neighbours, round up when u < (|x| - lo) / (hi - lo), u = (bits >> 8)
-// * 2^-24. Exact values, NaN and values whose upper neighbour is infinite round to nearest.
+// Stochastic rounding of x to bfloat16 with 32 random bits (_rounding._round_with_bits): the
+// bfloat16 neighbours of |x| are its bits' top half (lo) and the next (hi), and |x| lies
+// (bits & 0xFFFF) / 2^16 of the way from lo to hi; round up when the top 16 random bits are
+// below that, so P(up) is that fraction exactly and E[SR(x)] = x, also where the gap is a
+// float32 subnormal (which float arithmetic under XLA's flush-to-zero would lose). The same
+// decision as u < (|x| - lo) / (hi - lo), u = (bits >> 8) * 2^-24, wherever that quotient is
+// exact. NaN and values whose upper neighbour is infinite round to nearest.
 inline uint16_t StochasticBf16(float x, uint32_t bits) {
-  const float a = std::fabs(x);
-  const uint16_t yb = ToBf16(a);
-  const float y = FromBf16(yb);
-  const float other = FromBf16(static_cast<uint16_t>(y > a ? yb - 1 : yb + 1));
-  const float lo = y > a ? other : y;
-  const float hi = y > a ? y : other;
-  const float p = (a - lo) / (hi - lo);
-  const float u = static_cast<float>(bits >> 8) * 0x1p-24f;
-  float r = u < p ? hi : lo;
-  if (y == a || std::isnan(a) || std::isinf(hi)) r = y;
-  return ToBf16(std::signbit(x) ? -r : r);
+  uint32_t xb;
+  std::memcpy(&xb, &x, sizeof xb);
+  const uint32_t mag = xb & 0x7FFFFFFFu;
+  const uint32_t lo = mag >> 16;
+  const uint32_t up = (bits >> 16) < (mag & 0xFFFFu) ? 1u : 0u;
+  const uint16_t r = static_cast<uint16_t>(((xb >> 16) & 0x8000u) | (lo + up));
+  return (mag > 0x7F800000u || lo == 0x7F7Fu) ? ToBf16(x) : r;
 }
 
 // The float32 step of one element, -lr * u (AdamW: -lr * (u + wd * w)): the operations of
@@ -643,15 +702,17 @@ ffi::Error StepRounded(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
                        ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t kind,
                        bool nesterov, int64_t decay, bool amsgrad, int64_t offset,
                        int64_t state, int64_t rounding, bool grads_f32) {
-  auto bad = [](const char* what) {
-    return ffi::Error::InvalidArgument(std::string("adamkit rounded step: ") + what);
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("adamkit rounded step: " + what);
   };
   if (scalars.element_count() != 9) return bad("expected 9 scalars");
-  if (!ValidVariant(kind, nesterov, decay, amsgrad, state)) {
-    return bad("unknown variant or state count");
+  const std::string variant = VariantError(kind, nesterov, decay, amsgrad, state);
+  if (!variant.empty()) return bad(variant);
+  if (rounding < kNearest || rounding > kKahan) {
+    return bad("attribute rounding = " + Str(rounding) + " must be 0 (nearest), 1 (stochastic) "
+               "or 2 (kahan)");
   }
-  if (rounding < kNearest || rounding > kKahan) return bad("unknown rounding");
-  if (offset < 0) return bad("negative offset");
+  if (offset < 0) return bad("attribute offset = " + Str(offset) + " must be >= 0");
   const int64_t nstate = state;
   const int64_t nargs = static_cast<int64_t>(args.size());
   const int64_t nrets = static_cast<int64_t>(rets.size());
@@ -681,6 +742,8 @@ ffi::Error StepRounded(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     moments[j] = (*out)->typed_data();
     if (moments[j] != in->typed_data()) std::copy_n(in->typed_data(), moment_size[j], moments[j]);
   }
+  const std::string at_error = OffsetError("offset", offset, moment_size, nstate);
+  if (!at_error.empty()) return bad(at_error);
   const uint32_t* keys = nullptr;
   if (rounding == kStochastic) {
     auto k = args.get<ffi::Buffer<ffi::U32>>(2 * num + nstate);
@@ -712,13 +775,16 @@ ffi::Error StepRounded(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     if (gn != n || static_cast<int64_t>((*p_out)->element_count()) != n) {
       return bad("a gradient differs from its param");
     }
-    for (int64_t j = 0; j < nstate; ++j) {
-      if (offset + total + n > moment_size[j]) return bad("a moment buffer is smaller than its params");
+    for (int64_t j = 0; j < nstate; ++j) {  // offset + total <= size (checked before)
+      if (n > moment_size[j] - offset - total) {
+        return bad("a state buffer (" + Str(moment_size[j]) + " elements) is smaller than its " +
+                   "params from attribute offset = " + Str(offset));
+      }
     }
     const auto dims = p->dimensions();
     int64_t rest = 1;
-    for (size_t d = 1; d < dims.size(); ++d) rest *= dims[d];
-    if ((dims.size() > 0 && dims[0] > (int64_t{1} << 32)) || rest > (int64_t{1} << 32)) {
+    if (!CountOf(dims, 1, &rest) || (dims.size() > 0 && dims[0] > (int64_t{1} << 32)) ||
+        rest > (int64_t{1} << 32)) {
       return bad("a param's counters must fit 32 bits");
     }
     RoundedLeaf& l = leaves[i];
@@ -785,31 +851,37 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
                       ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t kind,
                       bool nesterov, int64_t decay, bool amsgrad, int64_t state, bool apply,
                       bool merge, int64_t offset, int64_t rows) {
-  if (scalars.element_count() != 9) {
-    return ffi::Error::InvalidArgument("adamkit sparse step: expected 9 scalars");
-  }
-  if (!ValidVariant(kind, nesterov, decay, amsgrad, state) || decay == kL2 ||
-      (decay == kDecoupled && !apply)) {
-    return ffi::Error::InvalidArgument("adamkit sparse step: unknown variant or state count");
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("adamkit sparse step: " + what);
+  };
+  if (scalars.element_count() != 9) return bad("expected 9 scalars");
+  const std::string variant = VariantError(kind, nesterov, decay, amsgrad, state);
+  if (!variant.empty()) return bad(variant);
+  if (decay == kL2 || (decay == kDecoupled && !apply)) {
+    return bad("attribute decay = " + Str(decay) + " must be 0 (none), or 2 (decoupled) with "
+               "apply = true");
   }
   const size_t nstate = static_cast<size_t>(state);
   if (args.size() != nstate + (apply ? 1u : 0u) || rets.size() != nstate + (apply ? 1u : 2u)) {
-    return ffi::Error::InvalidArgument("adamkit sparse step: wrong number of operands");
+    return bad("wrong number of operands");
   }
-  if (rows < 0 || rows > INT32_MAX || offset < 0) {
-    return ffi::Error::InvalidArgument("adamkit sparse step: bad row count or offset");
+  if (rows < 0 || rows > INT32_MAX) {
+    return bad("attribute num_rows = " + Str(rows) + " must be in [0, 2^31 - 1]");
   }
+  if (offset < 0) return bad("attribute offset = " + Str(offset) + " must be >= 0");
   // Sizes from each buffer's own dimensions: k from the ids, the row width from the
   // gradient rows' shape (not from a division, which a short gradient would fool).
   const int64_t k = static_cast<int64_t>(ids.element_count());
   const auto dims = grad.dimensions();
-  if (dims.size() < 1 || dims[0] != k || k > INT32_MAX) {
-    return ffi::Error::InvalidArgument("adamkit sparse step: gradient rows do not match ids");
+  int64_t width = 1, rows_size = 0, k_size = 0;  // elements per row, of the table, of k rows
+  if (dims.size() < 1 || dims[0] != k || k > INT32_MAX || !CountOf(dims, 1, &width) ||
+      __builtin_mul_overflow(width, k, &k_size) ||
+      k_size != static_cast<int64_t>(grad.element_count())) {
+    return bad("gradient rows do not match ids");
   }
-  int64_t width = 1;
-  for (size_t d = 1; d < dims.size(); ++d) width *= dims[d];
-  if (width * k != static_cast<int64_t>(grad.element_count())) {
-    return ffi::Error::InvalidArgument("adamkit sparse step: gradient rows do not match ids");
+  if (__builtin_mul_overflow(rows, width, &rows_size)) {
+    return bad("attribute num_rows = " + Str(rows) + " rows of " + Str(width) +
+               " elements overflow int64");
   }
   float* bufs[kMaxStateBuffers + 1] = {nullptr, nullptr, nullptr, nullptr};  // state, table
   for (size_t j = 0; j < args.size(); ++j) {
@@ -818,14 +890,19 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     if (in.has_error()) return in.error();
     if (out.has_error()) return out.error();
     const int64_t n = static_cast<int64_t>(in->element_count());
-    const bool ok = j < nstate ? offset + rows * width <= n : n == rows * width;
-    if (!ok || static_cast<int64_t>((*out)->element_count()) != n) {
-      return ffi::Error::InvalidArgument(
-          j == 0   ? "adamkit sparse step: the first moment is smaller than the table"
-          : j == 1 ? "adamkit sparse step: the second moment is smaller than the table"
-          : j < nstate
-              ? "adamkit sparse step: the running maximum is smaller than the table"
-              : "adamkit sparse step: the table is not num_rows rows of the gradient's width");
+    if (static_cast<int64_t>((*out)->element_count()) != n) {
+      return bad("a result differs from its input");
+    }
+    if (j < nstate && !Fits(offset, rows_size, n)) {
+      static const char* const kNames[] = {"first moment", "second moment", "running maximum"};
+      return bad(std::string("the ") + kNames[j] + " (" + Str(n) + " elements) does not hold " +
+                 "attribute num_rows = " + Str(rows) + " rows of " + Str(width) +
+                 " elements from attribute offset = " + Str(offset) + " (offset must be in [0, " +
+                 Str(n) + " - num_rows * width])");
+    }
+    if (j == nstate && n != rows_size) {
+      return bad("the table (" + Str(n) + " elements) is not attribute num_rows = " + Str(rows) +
+                 " rows of the gradient's width " + Str(width));
     }
     bufs[j] = (*out)->typed_data();
     if (bufs[j] != in->typed_data()) std::copy_n(in->typed_data(), n, bufs[j]);
@@ -876,8 +953,8 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     if (ids_out.has_error()) return ids_out.error();
     if (dir.has_error()) return dir.error();
     if (static_cast<int64_t>((*ids_out)->element_count()) != k ||
-        static_cast<int64_t>((*dir)->element_count()) != k * width) {
-      return ffi::Error::InvalidArgument("adamkit sparse step: result sizes do not match ids");
+        static_cast<int64_t>((*dir)->element_count()) != k_size) {
+      return bad("result sizes do not match ids");
     }
     int32_t* io = (*ids_out)->typed_data();
     std::copy(uid.begin(), uid.end(), io);
@@ -947,7 +1024,9 @@ ffi::Error RowAdd(ffi::BufferR1<ffi::S32> ids, ffi::Buffer<ffi::F32> rows_in,
     if (rdims[d] != tdims[d]) {
       return ffi::Error::InvalidArgument("adamkit row add: rows do not match the table's rows");
     }
-    width *= tdims[d];
+  }
+  if (!CountOf(tdims, 1, &width)) {
+    return ffi::Error::InvalidArgument("adamkit row add: the table's row size overflows int64");
   }
   if (static_cast<int64_t>(out->element_count()) != size) {
     return ffi::Error::InvalidArgument("adamkit row add: result differs from the table");
@@ -1738,22 +1817,30 @@ ffi::Error StepQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
                          bool nesterov, int64_t decay, bool amsgrad, int64_t state,
                          ffi::Span<const int64_t> quantized, ffi::Span<const int64_t> offsets,
                          int64_t block) {
-  auto bad = [](const char* what) {
-    return ffi::Error::InvalidArgument(std::string("adamkit quantized step: ") + what);
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("adamkit quantized step: " + what);
   };
   if (scalars.element_count() != 9) return bad("expected 9 scalars");
-  if (!ValidVariant(kind, nesterov, decay, amsgrad, state)) return bad("unknown variant or state count");
+  const std::string variant = VariantError(kind, nesterov, decay, amsgrad, state);
+  if (!variant.empty()) return bad(variant);
   const int64_t nstate = state;
   if (static_cast<int64_t>(quantized.size()) != nstate ||
       static_cast<int64_t>(offsets.size()) != nstate) {
-    return bad("expected one `quantized` flag and one offset per state buffer");
+    return bad("attributes quantized and offsets must have one entry per state buffer (" +
+               Str(nstate) + "), got " + Str(static_cast<int64_t>(quantized.size())) + " and " +
+               Str(static_cast<int64_t>(offsets.size())));
   }
   if (block < 1 || block > kMaxBlock || (block & (block - 1)) != 0) {
-    return bad("the block size must be a power of two <= 2^20");
+    return bad("attribute block = " + Str(block) + " must be a power of two in [1, 2^20]");
   }
   int64_t state_args = 0, state_rets = 0;
   for (int64_t k = 0; k < nstate; ++k) {
-    if (offsets[k] < 0) return bad("negative offset");
+    if (offsets[k] < 0) {
+      return bad("attribute offsets[" + Str(k) + "] = " + Str(offsets[k]) + " must be >= 0");
+    }
+    if (quantized[k] != 0 && quantized[k] != 1) {
+      return bad("attribute quantized[" + Str(k) + "] = " + Str(quantized[k]) + " must be 0 or 1");
+    }
     state_args += quantized[k] ? 4 : 1;
     state_rets += quantized[k] ? 2 : 1;
   }
@@ -1797,7 +1884,9 @@ ffi::Error StepQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     if (scales_out.has_error()) return scales_out.error();
     units[k] = static_cast<int64_t>(scales->element_count());
     const int64_t ncodes = static_cast<int64_t>(codes->element_count());
-    if (ncodes != units[k] * block || static_cast<int64_t>((*codes_out)->element_count()) != ncodes ||
+    int64_t expected = 0;
+    if (__builtin_mul_overflow(units[k], block, &expected) || ncodes != expected ||
+        static_cast<int64_t>((*codes_out)->element_count()) != ncodes ||
         static_cast<int64_t>((*scales_out)->element_count()) != units[k]) {
       return bad("codes must be `block` per scale, results as the inputs");
     }
@@ -1814,6 +1903,13 @@ ffi::Error StepQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     b.scales = (*scales_out)->typed_data();
     if (b.codes != codes->typed_data()) std::copy_n(codes->typed_data(), ncodes, b.codes);
     if (b.scales != scales->typed_data()) std::copy_n(scales->typed_data(), units[k], b.scales);
+  }
+  for (int64_t k = 0; k < nstate; ++k) {
+    if (offsets[k] > units[k]) {
+      return bad("attribute offsets[" + Str(k) + "] = " + Str(offsets[k]) + " must be in [0, " +
+                 Str(units[k]) + "] (the state buffer's " + (bufs[k].quantized ? "blocks" : "elements") +
+                 ")");
+    }
   }
 
   std::vector<QLeaf> leaves(num);
@@ -1833,10 +1929,12 @@ ffi::Error StepQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     }
     const int64_t nb = (n + block - 1) / block;
     QLeaf& l = leaves[i];
-    for (int64_t k = 0; k < nstate; ++k) {
+    for (int64_t k = 0; k < nstate; ++k) {  // offsets[k] + used[k] <= units[k] (so far)
       const int64_t need = bufs[k].quantized ? nb : n;
-      if (offsets[k] + used[k] + need > units[k]) {
-        return bad("a moment buffer is smaller than its params");
+      if (need > units[k] - offsets[k] - used[k]) {
+        return bad("a state buffer (" + Str(units[k]) + (bufs[k].quantized ? " blocks" : " elements") +
+                   ") is smaller than its params from attribute offsets[" + Str(k) + "] = " +
+                   Str(offsets[k]));
       }
       l.at[k] = offsets[k] + used[k];
       used[k] += need;
@@ -2179,15 +2277,14 @@ ffi::Error Requantize(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
                       ffi::Buffer<ffi::F32> grad, ffi::RemainingArgs args,
                       ffi::RemainingRets rets, int64_t kind, bool amsgrad, int64_t state,
                       int64_t block) {
-  auto bad = [](const char* what) {
-    return ffi::Error::InvalidArgument(std::string("adamkit requantize: ") + what);
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("adamkit requantize: " + what);
   };
   if (scalars.element_count() != 9) return bad("expected 9 scalars");
-  if (!ValidVariant(kind, false, kNoDecay, amsgrad, state)) {
-    return bad("unknown variant or state count");
-  }
+  const std::string variant = VariantError(kind, false, kNoDecay, amsgrad, state);
+  if (!variant.empty()) return bad(variant);
   if (block < 1 || block > kMaxBlock || (block & (block - 1)) != 0) {
-    return bad("the block size must be a power of two <= 2^20");
+    return bad("attribute block = " + Str(block) + " must be a power of two in [1, 2^20]");
   }
   const int64_t nstate = state;
   if (static_cast<int64_t>(args.size()) != 4 * nstate ||
@@ -2215,7 +2312,7 @@ ffi::Error Requantize(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
         static_cast<int64_t>((*scales_out)->element_count()) != blocks) {
       return bad("scales must be one per block of the gradient, results as the inputs");
     }
-    if (static_cast<int64_t>(codes->element_count()) != blocks * block ||
+    if (static_cast<int64_t>(codes->element_count()) != blocks * block ||  // <= n + block
         static_cast<int64_t>((*codes_out)->element_count()) != blocks * block) {
       return bad("codes must be `block` per scale, results as the inputs");
     }

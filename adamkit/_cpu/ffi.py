@@ -2,8 +2,9 @@
 
 Each function checks every buffer it passes against that buffer's own shape and dtype
 (``ValueError`` naming the buffer), and the C++ handler checks again from the buffers it
-receives (an ``InvalidArgument`` error, never a read or write outside a buffer). Sizes are
-never taken from one buffer and applied to another.
+receives, and its attributes against their ranges without sums that could overflow (an
+``InvalidArgument`` error naming the attribute, never a read or write outside a buffer;
+tests/kernel_attrs.py). Sizes are never taken from one buffer and applied to another.
 
 A kernel variant is a :class:`Variant` (static: it becomes the call's attributes) plus the
 nine float32 :func:`scalars`; the optimizer state is a tuple of buffers
