@@ -248,10 +248,6 @@ std::string VariantError(int64_t kind, bool nesterov, int64_t decay, bool amsgra
   return "";
 }
 
-bool ValidVariant(int64_t kind, bool nesterov, int64_t decay, bool amsgrad, int64_t state) {
-  return VariantError(kind, nesterov, decay, amsgrad, state).empty();
-}
-
 // The check of an element offset into state buffers of the given sizes: "" when 0 <= offset
 // <= the smallest size.
 std::string OffsetError(const char* name, int64_t offset, const int64_t* sizes, int64_t count) {
@@ -2096,7 +2092,7 @@ MomentFn MomentInstance() {
   return Moments<kind, amsgrad>;
 }
 
-// The handler has checked the variant (ValidVariant): AMSGrad for Adam only.
+// The handler has checked the variant (VariantError): AMSGrad for Adam only.
 MomentFn PickMoments(int64_t kind, bool amsgrad) {
   if (kind == kAdamax) return MomentInstance<kAdamax, false>();
   return amsgrad ? MomentInstance<kAdamHat, true>() : MomentInstance<kAdamHat, false>();
