@@ -158,9 +158,16 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 def test_tpu_v5e_state_stays_in_host_memory():
   from adamkit import _targets  # noqa: PLC0415 - needs libtpu
 
-  params = {"w": jax.ShapeDtypeStruct((2048, 2048), jnp.float32)}
-  tx = ak.offload(ak.adamw(1e-3), mode="state", chunk_bytes=2**20)
-  compiled, _, state = _targets.compile_step(tx, params, "v5e:1x1")
-  fig = _targets.figures(compiled)
-  assert fig.host_arguments == _targets.per_device_bytes(state)  # mu and nu in host memory
-  assert "copy-start" in compiled.as_text()  # asynchronous host <-> device copies
+  params = {"w": jax.ShapeDtypeStruct((2048, 2048), jnp.float32)}  # state: 32 MiB
+  figs = {}
+  for chunk_bytes in (None, 2**20):
+    tx = ak.offload(ak.adamw(1e-3), mode="state", chunk_bytes=chunk_bytes)
+    compiled, _, state = _targets.compile_step(tx, params, "v5e:1x1")
+    figs[chunk_bytes] = _targets.figures(compiled)
+    moments = [x for x in jax.tree.leaves(state) if x.ndim]
+    assert figs[chunk_bytes].host_arguments == _targets.per_device_bytes(moments)
+    assert "copy-start" in compiled.as_text()  # asynchronous host <-> device copies
+  # Measured (jax 0.12.0.1, libtpu of jax[tpu]): 64.2 MiB of temporaries unstreamed,
+  # 37.9 MiB streamed in 1 MiB calls. Streaming must lower them by at least 16 MiB (half
+  # the state); it does not yet reach a bounded window (see docs/offload.md).
+  assert figs[2**20].temporaries <= figs[None].temporaries - 16 * 2**20, figs
