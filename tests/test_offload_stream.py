@@ -171,3 +171,16 @@ def test_tpu_v5e_state_stays_in_host_memory():
   # 37.9 MiB streamed in 1 MiB calls. Streaming must lower them by at least 16 MiB (half
   # the state); it does not yet reach a bounded window (see docs/offload.md).
   assert figs[2**20].temporaries <= figs[None].temporaries - 16 * 2**20, figs
+
+
+@needs_host
+def test_multi_steps_streams_exactly_both_orders():
+  # MultiSteps mixes int and float itself (optax), offloaded or not: standard promotion.
+  inner = lambda: optax.MultiSteps(ak.adam(0.05), 2).gradient_transformation()  # noqa: E731
+  with jax.numpy_dtype_promotion("standard"):
+    want_p, _ = trajectory(inner(), steps=4)
+    got_p, _ = trajectory(ak.offload(inner(), mode="state", chunk_bytes=4096), steps=4)
+    assert_close(got_p, want_p, 1e-6)
+    around = optax.MultiSteps(ak.offload(ak.adam(0.05), chunk_bytes=4096), 2)
+    got_p, _ = trajectory(around.gradient_transformation(), steps=4)
+    assert_close(got_p, want_p, 1e-6)
