@@ -99,6 +99,15 @@ def _row_unit(shape: tuple, leaves) -> int:
   return unit
 
 
+def _even_rows(total: int, rows: int, unit: int) -> int:
+  """The largest multiple of ``unit`` up to ``rows`` that divides ``total`` (equal pieces,
+  which one ``lax.scan`` streams), or ``rows`` if there is none."""
+  for r in range(rows - rows % unit, 0, -unit):
+    if total % r == 0:
+      return r
+  return rows
+
+
 def _nbytes(leaf) -> int:
   if _quant.is_qarray(leaf):
     return leaf.nbytes
@@ -125,6 +134,7 @@ def plan(params_flat, state_flat, own, chunk_bytes: int) -> list[list[Piece]]:
     unit = _row_unit(shape, mine)
     pieces = -(-size // chunk_bytes)  # even pieces: no small tail below a format's min_size
     rows = max(unit, -(-shape[0] // pieces // unit) * unit)
+    rows = _even_rows(shape[0], rows, unit)
     calls.extend([Piece(i, a, min(a + rows, shape[0]))] for a in range(0, shape[0], rows))
   if current:
     calls.append(current)
@@ -310,14 +320,18 @@ def run_call(inner_update: Callable, problem: Problem, call, slot, value, rows_o
   return problem.g_def.flatten_up_to(u), problem.s_def.flatten_up_to(new_s)
 
 
-def assemble_updates(problem: Problem, per_call: list) -> Any:
-  """The full update leaves, concatenated from the calls' held rows (0-d: call 0's)."""
+def assemble_updates(problem: Problem, per_call: list, whole_u: dict) -> Any:
+  """The full update leaves: a scanned leaf's whole, else concatenated from the calls'
+  held rows (0-d leaves: the first unrolled call's, every call computes the same)."""
   pieces = {i: [] for i in range(len(problem.g_flat))}
   for call, u in per_call:
     for pc in call:
       pieces[pc.leaf].append(u[pc.leaf][:pc.stop - pc.start])
   out = []
   for i, g in enumerate(problem.g_flat):
+    if i in whole_u:
+      out.append(whole_u[i])
+      continue
     if np.ndim(g) == 0 or not pieces[i]:
       out.append(per_call[0][1][i] if np.ndim(g) == 0 else jnp.zeros_like(g))
       continue
@@ -432,15 +446,98 @@ def _after(states: list, sent: list, k: int) -> list:
   """``states`` made to depend on call ``k - WINDOW``'s rows being back on the host, so
   XLA brings call ``k``'s rows down no earlier: without it, it may fetch every call's
   rows at once (one merged host computation), the whole state on the device again."""
-  if k < WINDOW:
+  if k < WINDOW or sent[k - WINDOW] is None:
     return states
   return jax.lax.optimization_barrier((states, sent[k - WINDOW]))[0]
 
 
-def _finish(problem: Problem, per_call, states, scalars):
+def _finish(problem: Problem, per_call, states, scalars, whole_u):
   for j, v in scalars.items():
     states[j] = v
-  return assemble_updates(problem, per_call), problem.s_def.unflatten(states)
+  return assemble_updates(problem, per_call, whole_u), problem.s_def.unflatten(states)
+
+
+def scan_groups(problem: Problem) -> list[list[int]]:
+  """The calls, grouped: the equal pieces of one leaf that together cover it (streamed by
+  one ``lax.scan``), and every other call alone (unrolled)."""
+  groups = []
+  for k, call in enumerate(problem.calls):
+    last = problem.calls[groups[-1][-1]] if groups else None
+    if last is not None and len(call) == 1 and len(last) == 1 and \
+        call[0].leaf == last[0].leaf and call[0].start == last[0].stop and \
+        call[0].stop - call[0].start == last[0].stop - last[0].start:
+      groups[-1].append(k)
+    else:
+      groups.append([k])
+  return groups
+
+
+def _stacked(leaf, m: int) -> Any:
+  """A whole host leaf viewed as ``m`` equal pieces of rows (a reshape, no copy)."""
+  if not _quant.is_qarray(leaf):
+    return leaf.reshape(m, -1, *leaf.shape[1:])
+  codes, scales = _blocks(leaf)
+  return codes.reshape(m, -1, codes.shape[-1]), scales.reshape(m, -1)
+
+
+def _unstacked(ys, like) -> Any:
+  if not _quant.is_qarray(like):
+    return ys.reshape(like.shape)
+  codes, scales = ys
+  return _quant.QuantizedArray(codes.reshape(like.codes.shape),
+                               scales.reshape(like.scales.shape), like.shape, like.fmt)
+
+
+def _piece_rows(x, like, rows: int) -> Any:
+  """One scanned piece of a state leaf, as the leaf's ``rows`` rows, on the device."""
+  if not _quant.is_qarray(like):
+    return jax.device_put(x, DEVICE)
+  codes, scales = jax.device_put(x, DEVICE)
+  return _chunk_q(codes, scales, (rows, *like.shape[1:]), like.fmt)
+
+
+def _to_host_rows(q) -> Any:
+  return jax.device_put(_blocks(q) if _quant.is_qarray(q) else q, HOST)
+
+
+def scan_group(update: Callable, problem: Problem, ks: list, values, states: list,
+               extra: dict) -> tuple:
+  """The calls ``ks`` (the equal pieces of one leaf) as one ``lax.scan``: each iteration
+  brings one piece's state rows down, updates them and sends them up, so XLA keeps one
+  iteration's buffers (and the next one's copies) in device memory.
+
+  Returns the leaf's update, ``{state leaf: new leaf}`` and the new 0-d state leaves."""
+  call = problem.calls[ks[0]]
+  i, m = call[0].leaf, len(ks)
+  rows = call[0].stop - call[0].start
+  slot = problem.phantom_slot(call)
+  js = [j for j, o in enumerate(problem.own) if o == i]
+  g = problem.g_flat[i].reshape(m, rows, *problem.g_flat[i].shape[1:])
+  p = None if problem.p_flat is None else problem.p_flat[i].reshape(g.shape)
+  xs = (g, p, [_stacked(states[j], m) for j in js], values)
+  piece = [Piece(i, 0, rows)]
+
+  def body(carry, x):
+    g_k, p_k, s_k, v = x
+    sub = dataclasses.replace(problem, g_flat=_swap(problem.g_flat, i, g_k),
+                              p_flat=None if p_k is None else _swap(problem.p_flat, i, p_k))
+    pieces = dict(zip(js, s_k))
+    rows_of = lambda j, pc: _piece_rows(pieces[j], problem.s_flat[j], rows)  # noqa: E731
+    u, new = run_call(update, sub, piece, slot, v, rows_of, extra)
+    out = [_to_host_rows(trim(new[j], rows)) for j in js]
+    zero_d = {n: u[n] for n, g_n in enumerate(problem.g_flat) if np.ndim(g_n) == 0}
+    return carry, (u[i][:rows], out, (new_scalars(problem, new), zero_d))
+
+  _, (u, out, firsts) = jax.lax.scan(body, 0, xs)
+  new = {j: _unstacked(y, states[j]) for j, y in zip(js, out)}
+  scalars, zero_d = jax.tree.map(lambda x: x[0], firsts)
+  return {**zero_d, i: u.reshape(problem.g_flat[i].shape)}, new, scalars
+
+
+def _swap(leaves: list, i: int, x) -> list:
+  out = list(leaves)
+  out[i] = x
+  return out
 
 
 def step_state(update: Callable, problem: Problem, extra: dict):
@@ -448,16 +545,36 @@ def step_state(update: Callable, problem: Problem, extra: dict):
   go back up; the device holds one call's rows (and XLA's copies in flight)."""
   sums, finite = piece_stats(problem)
   states = [s if o == -1 else _host_typed(s) for s, o in zip(problem.s_flat, problem.own)]
-  per_call, scalars, rows, sent = [], None, {}, []
-  for k, call in enumerate(problem.calls):
-    slot = problem.phantom_slot(call)
-    gated = _after(states, sent, k)
-    rows_of = lambda j, pc, gated=gated: _host_take(gated[j], pc)  # noqa: E731
-    u, new = run_call(update, problem, call, slot, phantom_value(sums, finite, k), rows_of,
-                      extra)
-    per_call.append((call, u))
-    scalars = new_scalars(problem, new) if scalars is None else scalars
-    sent.append(_collect(problem, call, new, rows))
+  per_call, scalars, rows, sent, whole_u = [], None, {}, [], {}
+  for ks in scan_groups(problem):
+    if len(ks) > 1 and _covers(problem, ks):
+      values = jnp.stack([phantom_value(sums, finite, k) for k in ks])
+      u, new, sc = scan_group(update, problem, ks, values, states, extra)
+      whole_u = {**u, **whole_u}  # 0-d leaves: the first group's
+      states = [new.get(j, x) for j, x in enumerate(states)]
+      scalars = sc if scalars is None else scalars
+      sent.extend([None] * len(ks))
+      continue
+    for k in ks:
+      call = problem.calls[k]
+      u, new = _unrolled(update, problem, k, sums, finite, states, sent, extra)
+      per_call.append((call, u))
+      scalars = new_scalars(problem, new) if scalars is None else scalars
+      sent.append(_collect(problem, call, new, rows))
   for j, pieces in rows.items():
     states[j] = _host_concat(pieces)
-  return _finish(problem, per_call, states, scalars)
+  return _finish(problem, per_call, states, scalars, whole_u)
+
+
+def _covers(problem: Problem, ks: list) -> bool:
+  first, last = problem.calls[ks[0]][0], problem.calls[ks[-1]][0]
+  return first.start == 0 and last.stop == problem.g_flat[first.leaf].shape[0]
+
+
+def _unrolled(update, problem: Problem, k: int, sums, finite, states, sent, extra):
+  """Call ``k`` traced on its own (small leaves sharing a call, unequal pieces)."""
+  call = problem.calls[k]
+  slot = problem.phantom_slot(call)
+  gated = _after(states, sent, k)
+  rows_of = lambda j, pc: _host_take(gated[j], pc)  # noqa: E731
+  return run_call(update, problem, call, slot, phantom_value(sums, finite, k), rows_of, extra)
