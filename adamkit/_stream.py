@@ -476,8 +476,10 @@ def _stacked(leaf, m: int) -> Any:
   """A whole host leaf viewed as ``m`` equal pieces of rows (a reshape, no copy)."""
   if not _quant.is_qarray(leaf):
     return leaf.reshape(m, -1, *leaf.shape[1:])
-  codes, scales = _blocks(leaf)
-  return codes.reshape(m, -1, codes.shape[-1]), scales.reshape(m, -1)
+  # Only the leading axis is split: a reshape that merges tiled axes is a relayout that
+  # XLA's TPU host offloading does not implement for host buffers.
+  return (leaf.codes.reshape(m, -1, *leaf.codes.shape[1:]),
+          leaf.scales.reshape(m, -1, *leaf.scales.shape[1:]))
 
 
 def _unstacked(ys, like) -> Any:
@@ -497,7 +499,7 @@ def _piece_rows(x, like, rows: int) -> Any:
 
 
 def _to_host_rows(q) -> Any:
-  return jax.device_put(_blocks(q) if _quant.is_qarray(q) else q, HOST)
+  return jax.device_put((q.codes, q.scales) if _quant.is_qarray(q) else q, HOST)
 
 
 def scan_group(update: Callable, problem: Problem, ks: list, values, states: list,
@@ -567,7 +569,13 @@ def step_state(update: Callable, problem: Problem, extra: dict):
 
 
 def _covers(problem: Problem, ks: list) -> bool:
+  """Whether the group's pieces cover their leaf and its state is unquantized (scanned
+  codes and scales: XLA's TPU host offloading cannot yet view a host buffer of codes as
+  pieces, "only handling bitcasts with majormost dimension of size 1"; such a leaf is
+  streamed unrolled)."""
   first, last = problem.calls[ks[0]][0], problem.calls[ks[-1]][0]
+  if any(_quant.is_qarray(s) for s in problem.mine(first.leaf)):
+    return False
   return first.start == 0 and last.stop == problem.g_flat[first.leaf].shape[0]
 
 
