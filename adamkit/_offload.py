@@ -594,7 +594,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
   AdamW leaf (32 MiB of state) takes 64.2 MiB of device temporaries in ``"state"`` mode
   and 48.2 MiB in ``"compute"`` mode, against 0 without offload; the state lives in host
   memory *between* steps. ``chunk_bytes`` (``"state"`` mode) streams it in calls and
-  lowers that figure (37.9 MiB in 1 MiB calls), not yet to a bounded window. Inside a
+  lowers that figure (1.9 MiB in 1 MiB calls, 8.8 MiB with ``"auto"``). Inside a
   TPU or GPU program the host computation is XLA's own (an XLA:CPU FFI kernel cannot be
   called there).
 
@@ -643,9 +643,9 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
     chunk_bytes: ``None`` (default: the state is staged whole), an int, or ``"auto"``
       (8 MiB where the step is compiled for a TPU or GPU, ``None`` on a CPU), ``"state"``
       mode only: the state is streamed through the device in calls of about this many
-      bytes of state, a large leaf in runs of rows (see ``adamkit/_stream.py`` for what
-      stays exact). *Experimental*: on a TPU v5e target XLA still stages more than one
-      call's rows (see the offload guide's figures), so it does not lower the peak yet.
+      bytes of state, a large leaf in runs of rows, one ``lax.scan`` (see
+      ``adamkit/_stream.py`` for what stays exact, and the offload guide for the device
+      figures per format: quantized moments stream less well, 4-bit not yet on TPU).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``tx``'s state, unchanged
