@@ -16,6 +16,7 @@ the bookkeeping of offloading (extra copies), not a PCIe link; read them as such
 
   python benchmarks/bench_offload.py              # 105M parameters
   python benchmarks/bench_offload.py --width 512  # a quick smoke run
+  python benchmarks/bench_offload.py --width 1024 --chunk-bytes 1048576  # + streamed state
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ def main():
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--chunk-bytes", type=int, default=0,
+                  help="also time mode='state' streamed in calls of this many bytes of state "
+                       "(ak.offload's chunk_bytes; 0: no such row)")
   a = ap.parse_args()
 
   def adam():
@@ -105,6 +109,9 @@ def main():
   cases = [("no offload", adam()),
            ("offload mode='state'", ak.offload(adam(), mode="state")),
            ("offload mode='compute'", ak.offload(adam(), mode="compute"))]
+  streamed = f"offload mode='state' chunk_bytes={a.chunk_bytes}"
+  if a.chunk_bytes:
+    cases.append((streamed, ak.offload(adam(), mode="state", chunk_bytes=a.chunk_bytes)))
   cases = [Case(name, tx, a.width, a.layers, a.batch) for name, tx in cases]
   for c in cases:  # warm-up: first touch of every buffer
     c.step(record=False)
@@ -114,7 +121,8 @@ def main():
       c.step()
   rows = [c.row() for c in cases]
   n = rows[0]["n"]
-  moved = {"no offload": 0, "offload mode='state'": 32 * n, "offload mode='compute'": 8 * n}
+  moved = {"no offload": 0, "offload mode='state'": 32 * n, "offload mode='compute'": 8 * n,
+           streamed: 32 * n}
   base = rows[0]["median"]
   dev = jax.devices()[0]
   print(f"\nak.offload benchmark: {n / 1e6:.1f}M float32 params, ak.adam, batch {a.batch}, "
