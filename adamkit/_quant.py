@@ -229,8 +229,9 @@ def resolve(q: Quantized, role: str) -> Format:
 # ----------------------------------------------------------------------------- code books
 #
 # Each kind has an encoder (float32 r = x / scale -> uint8 codes) and a decoder (codes ->
-# float32 r), both elementwise. XLA:CPU runs a gather at about a fifth of the speed of an
-# elementwise pass, so the encoders use at most two small table lookups (8-bit) or none.
+# float32 r), both elementwise and without table lookups: a gather per element runs at about a
+# fifth of the speed of an elementwise pass on XLA:CPU and far slower on TPU, so each format's
+# codes are computed from the float's bits, comparisons and selects.
 
 
 def _dynamic_map(signed: bool, total_bits: int, exponent_bits: int) -> np.ndarray:
@@ -295,48 +296,120 @@ def kernel_midpoints(fmt: Format) -> np.ndarray:
   return mids
 
 
-# 8-bit: the nearest code of r is the number of midpoints <= r (ties up). |r| is cut into
-# buckets, each binade [2^e, 2^(e+1)) split in 2^7 by the top 7 bits of the mantissa (all of
-# |r| < 2^-23 in the first bucket); no bucket holds two midpoints, so the count is a table
-# entry plus one comparison. Two lookups instead of a binary search's eight, same codes.
-_BUCKET_BITS = 7
-_BUCKET_E0 = 127 - 24  # biased exponent of the first binade with buckets of its own
-_BUCKET_LOW = 23 - _BUCKET_BITS
+# 8-bit without tables (a gather per element is slow on every backend, and on TPU by far the
+# most costly op of the step). The positive values of the dynamic map are, per decade
+# i = 0 .. 6, n_i = K 2^i levels (K = 1 signed, 2 unsigned); level j of decade i is
+#
+#   q = f32(D_i f32((e_g + e_(g+s)) / 2)),  e_g = f32(0.1 + 0.9 g / 128),  g = j s,  s = 128 / n_i,
+#
+# with D_i = f32(10^(i-6)): the code book's own float32 arithmetic (np.linspace's edges are the
+# float32 roundings of 0.1 + 0.9 g / 128 for the grid of 129 edges that every decade samples).
+# 256 e_g = f32(N / 5) for the integer N = 128 + 9 g, computed as N h + N l with 0.2 = h + l,
+# h of 12 bits: N h is exact, so an FMA contracting the sum rounds as the plain sum does, and
+# both give f32(N / 5) for every N used (the tests decode all 256 codes on each backend's jit).
+# Levels are numbered P = K .. 128 K - 1 (0 is P = K - 1, 1.0 is P = 128 K), so decade i holds
+# P in [K 2^i, K 2^(i+1)): the decade of a level is given by P's leading bit.
+_FIFTH_HI = np.float32(np.round(0.2 * 2**12) / 2**12)
+_FIFTH_LO = np.float32(0.2 - float(_FIFTH_HI))
+_DECADES = 7
+
+
+def _fifth(n: jax.Array) -> jax.Array:
+  """``f32(n / 5)`` for integers ``0 <= n <= 2^11`` (int32), without a division."""
+  x = n.astype(jnp.float32)
+  return x * _FIFTH_HI + x * _FIFTH_LO
 
 
 @functools.cache
-def _bucket_tables(role: str) -> tuple[np.ndarray, np.ndarray, int]:
-  """``(below, first, zero)``: per bucket of ``|r|``, the number of positive midpoints under
-  the bucket and the first midpoint at or above its lower end (inf if none); ``zero`` is the
-  code of 0 (the number of negative midpoints)."""
+def _map_shape(role: str) -> tuple[int, int, tuple, tuple, tuple, tuple]:
+  """``(K, zero, scale, alpha, beta, thresholds)`` of the 8-bit map of ``role``: levels per
+  decade are ``K 2^i``, ``zero`` is the code of 0; per decade, ``scale = D_i / 512``
+  (``q = scale (f(N) + f(N + 9 s))``, ``f(N) = 256 e``) and ``x = alpha |r| - beta``, about
+  the index of the decade's midpoint nearest ``|r|``; ``thresholds`` (int32 bits): the
+  midpoints just under each decade's first level and under 1.0."""
+  k, zero = (1, 127) if role == "mu" else (2, 0)
+  d = [np.float32(10.0 ** (i - 6)) for i in range(_DECADES)]
+  scale = tuple(np.float32(x / np.float32(512)) for x in d)
+  alpha = tuple(np.float32((k << i) / (0.9 * float(d[i]))) for i in range(_DECADES))
+  beta = tuple(np.float32(0.1 * (k << i) / 0.9 + 1.0) for i in range(_DECADES))
   mids = _midpoints("8bit", role)
-  pos = mids[mids > 0]
-  b = np.arange((127 - _BUCKET_E0 + 1) << _BUCKET_BITS, dtype=np.uint32)
-  lo_bits = (((b >> _BUCKET_BITS) + _BUCKET_E0) << 23) | ((b & ((1 << _BUCKET_BITS) - 1)) << _BUCKET_LOW)
-  lo = lo_bits.view(np.float32).copy()
-  lo[b < (1 << _BUCKET_BITS)] = 0.0  # the first binade also holds everything tinier
-  hi = (lo_bits | ((1 << _BUCKET_LOW) - 1)).view(np.float32)
-  below = np.searchsorted(pos, lo, side="left")
-  if np.any(np.searchsorted(pos, hi, side="right") - below > 1):  # pragma: no cover - by design
-    raise AssertionError("an 8-bit bucket holds two midpoints")
-  first = np.append(pos, np.float32(np.inf)).astype(np.float32)[below]
-  return below.astype(np.uint8), first, int(mids.size - pos.size)
+  under = tuple(int(mids[zero + (k << i) - k].view(np.int32)) for i in range(_DECADES + 1))
+  return k, zero, scale, alpha, beta, under
+
+
+def _by_decade(masks: list, values: tuple, shape: tuple) -> jax.Array:
+  """``values[i]`` where ``i`` is the number of true ``masks`` (nested: each implies the
+  previous), by selects."""
+  out = jnp.full(shape, values[0])
+  for m, v in zip(masks, values[1:]):
+    out = jnp.where(m, v, out)
+  return out
+
+
+def _level(p: jax.Array, i: jax.Array, scale: jax.Array, k: int) -> jax.Array:
+  """The value of level ``p`` (int32) of decade ``i``, bit for bit the code book's."""
+  s = (128 // k) >> i
+  n = 128 + 9 * s * (p - (k << i))
+  return scale * (_fifth(n) + _fifth(n + 9 * s))
+
+
+def _decode_8bit(codes: jax.Array, role: str) -> jax.Array:
+  k, zero, scale, *_ = _map_shape(role)
+  c = codes.astype(jnp.int32)
+  neg = c < zero  # the signed map's negative codes mirror the positive ones: 126 - c <-> 128 + c
+  p = jnp.where(neg, zero - c, c - zero) - 1 + k
+  masks = [p >= (k << i) for i in range(1, _DECADES)]
+  i = sum(m.astype(jnp.int32) for m in masks)
+  v = _level(p, i, _by_decade(masks, scale, c.shape), k)
+  v = jnp.where(c == zero, np.float32(0), jnp.where(c == 255, np.float32(1), v))
+  return jnp.where(neg, -v, v)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _half_sum_bits(x: jax.Array, y: jax.Array) -> jax.Array:
+  """The int32 bits of ``f32(x + y) / 2`` for positive normal floats ``x <= y`` whose
+  exponents differ by at most 6, by integer ops: the exact sum of the two significands,
+  rounded to nearest even by its conversion to float32. Never a float add, so no compiler
+  contracts the products ``x``, ``y`` into it (an FMA rounds once where the code book's
+  midpoints are rounded three times)."""
+  bx, by = _bits(x), _bits(y)
+  ex = bx >> 23
+  shift = jnp.clip((by >> 23) - ex, 0, 6)
+  t = (((by & 0x7FFFFF) | 0x800000) << shift) + ((bx & 0x7FFFFF) | 0x800000)
+  return _bits(t.astype(jnp.float32)) + ((ex - 151) << 23)  # t 2^(ex - 150) / 2
 
 
 def _encode_8bit(r: jax.Array, role: str) -> jax.Array:
-  below, first, zero = _bucket_tables(role)
-  a = jnp.abs(r)
-  bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
-  e = bits >> 23
-  bucket = ((jnp.clip(e, _BUCKET_E0, 127) - _BUCKET_E0) << _BUCKET_BITS) | (
-    (bits >> _BUCKET_LOW) & ((1 << _BUCKET_BITS) - 1))
-  bucket = jnp.where(e < _BUCKET_E0, 0, bucket).astype(jnp.int32)
-  n_below = jnp.asarray(below)[bucket].astype(jnp.int32)
-  m = jnp.asarray(first)[bucket]
-  n_le = n_below + (a >= m).astype(jnp.int32)  # midpoints <= |r|
-  n_lt = n_below + (a > m).astype(jnp.int32)  # midpoints < |r|
-  # r < 0: the negative midpoints <= r are the mirror images of the positive ones >= |r|
-  code = jnp.where(jnp.signbit(r), zero - jnp.minimum(n_lt, zero), zero + n_le)
+  """The nearest code of ``r`` (ties up): the number of midpoints ``<= r``, the table's
+  ``searchsorted(midpoints, r, side="right")``. ``|r|``'s decade comes from comparisons
+  with the midpoints between decades; in it, the midpoint next to ``|r|`` is found by
+  arithmetic and rebuilt exactly from its two levels, and one comparison settles the
+  count. Bits of non-negative floats compare as integers; a negative ``r`` counts the
+  midpoints ``< |r|`` (its code mirrors) by comparing ``|r|``'s bits minus one. NaN: as
+  +-inf (255 for +NaN, 0 for -NaN, as the bucket tables gave)."""
+  k, zero, scale, alpha, beta, under = _map_shape(role)
+  ab = jnp.minimum(_bits(jnp.abs(r)), 0x7F800000)
+  a = jax.lax.bitcast_convert_type(ab, jnp.float32)
+  neg = jnp.signbit(r)
+  if role == "mu":
+    ab = ab - neg.astype(jnp.int32)
+  above = [ab >= t for t in under]  # |r| at or past the midpoint under decade i (i = 7: 1.0)
+  region = sum(m.astype(jnp.int32) for m in above)  # 0: the code of 0; 8: of 1.0
+  i = jnp.clip(region - 1, 0, _DECADES - 1)
+  n = k << i  # levels in the decade
+  x = a * _by_decade(above[1:-1], alpha, r.shape) - _by_decade(above[1:-1], beta, r.shape)
+  j = jnp.clip(jnp.floor(x + np.float32(0.5)).astype(jnp.int32), 0, jnp.maximum(n - 2, 0))
+  d = _by_decade(above[1:-1], scale, r.shape)
+  mid = _half_sum_bits(_level(n + j, i, d, k), _level(n + j + 1, i, d, k))
+  j = jnp.where(n > 1, j + (ab >= mid).astype(jnp.int32), 0)
+  count = jnp.where(region == 0, 0, jnp.where(region == _DECADES + 1, 127 * k + 1, n + j - k + 1))
+  if role == "mu":
+    code = jnp.where(neg, zero - jnp.minimum(count, zero), zero + count)
+  else:
+    code = jnp.where(neg, 0, count)
   return code.astype(jnp.uint8)
 
 
@@ -532,7 +605,7 @@ def _encode(r: jax.Array, fmt: Format, u: Callable[[], jax.Array] | None = None)
 
 def _decode(codes: jax.Array, fmt: Format) -> jax.Array:
   if fmt.kind == "8bit":
-    return jnp.asarray(code_book(fmt.kind, fmt.role))[codes.astype(jnp.int32)]
+    return _decode_8bit(codes, fmt.role)
   if fmt.kind == "4bit":
     return _decode_4bit_mu(codes) if fmt.role == "mu" else _decode_4bit_nu(codes)
   return _decode_fp8(codes) * np.float32(1 / FP8_MAX)
