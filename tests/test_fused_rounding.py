@@ -231,8 +231,8 @@ def test_bad_arguments_and_states():
     plain.step(params, kahan.init(params), grads=g)
   state = kahan.init(params)
   bad = state._replace(compensation={**state.compensation, "w": jnp.zeros((300, 7), jnp.float32)})
-  with pytest.raises(ValueError, match="A Kahan buffer of shape .* dtype float32 .* must be the "
-                     "param's"):
+  with pytest.raises(ValueError, match="the Kahan buffer of 'w' is float32\\(300, 7\\); the param "
+                     "is bfloat16\\(300, 7\\), whose buffer is bfloat16"):
     kahan.step(params, bad, grads=g)
 
 
