@@ -152,6 +152,8 @@ class NumpyQuantizedAdamW:
 
   def decode(self, stored, role, shape):
     codes, scale = stored
+    # a negative, NaN or infinite scale (a damaged state) reads its block as zeros
+    scale = np.where((scale >= 0) & (scale <= np.finfo(F32).max), scale, F32(0))
     x = _quant.code_book("8bit", role)[codes] * scale[:, None]
     return x.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
@@ -201,7 +203,8 @@ def test_kernel_trajectory_with_nonfinite_values(kernel):
   """The vector pass meets NaN and +-inf gradients, gradients whose square overflows (an
   infinite v beside a finite m) and a first moment whose stored scale is NaN (a damaged
   state): it stores what is not finite as 0 and leaves it out of the scales, as the replica
-  (and _quant.encode_blocks) do, bit for bit."""
+  (and _quant.encode_blocks) do, bit for bit; the damaged block reads as zeros (issue 32:
+  docs/low_memory.md, "A corrupted state")."""
   rng = np.random.default_rng(4)
   params = {"w": jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)}
   grads = grads_for(params, 4, seed=5)
