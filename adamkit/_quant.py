@@ -666,14 +666,22 @@ def readable_scales(scales: jax.Array) -> jax.Array:
   writes none) read as 0, so that its block reads back as zeros, as a fresh moment does,
   instead of flipping signs or spreading NaN into the params. Elementwise on the scales
   only (one per block)."""
-  return jnp.where((scales >= 0) & (scales <= np.finfo(np.float32).max), scales, 0.0)
+  return jnp.where(readable(scales), scales, 0.0)
+
+
+def readable(scales: jax.Array) -> jax.Array:
+  """Whether each scale is one the encoder writes: finite and >= 0 (see
+  :func:`readable_scales`)."""
+  return (scales >= 0) & (scales <= np.finfo(np.float32).max)
 
 
 def decode_blocks(codes: jax.Array, scales: jax.Array, fmt: Format) -> jax.Array:
   """Float32 blocks from ``codes`` and ``scales`` (the inverse of :func:`encode_blocks`)."""
   if fmt.packed:
     codes = _unpack4(codes, fmt.block_size)
-  xb = _decode(codes, fmt) * readable_scales(scales)[..., None]
+  xb = _decode(codes, fmt) * scales[..., None]
+  # after the product, not on the scales: XLA then fuses (and contracts) the step as before
+  xb = jnp.where(readable(scales)[..., None], xb, 0.0)
   if fmt.role == "nu" and fmt.kind != "8bit":
     xb = xb * xb
   return xb

