@@ -36,25 +36,21 @@ WORKER = pathlib.Path(__file__).with_name("accelerator_worker.py")
 TEMP_BOUND = 0.25  # bytes of XLA temporaries per parameter (issue 30, item 4)
 # Steps that do not yet keep a bound: strict xfails (the day one is fixed the test says so),
 # with the figure measured when they were filed. Keys: (format, target, tree).
-_GATHER = "the 8-bit code book is a per-element table gather"
 _RELAYOUT = "reshapes between the leaf's and the blocks' layout are TPU relayout copies"
 OPEN: dict[tuple[str, str, str], str] = {
-    ("8bit", "v5e:1x1", "leaf"): f"12.1 B/param: {_GATHER}; {_RELAYOUT}",
-    ("8bit", "v5e:2x2", "leaf"): f"4.35 B/param: {_GATHER}",
-    ("8bit", "h100", "leaf"): "2.06 B/param: the gather's operands",
-    ("4bit", "v5e:1x1", "leaf"): f"13.1 B/param: {_RELAYOUT} (the chunk loop)",
+    ("8bit", "v5e:1x1", "leaf"): f"8.03 B/param: {_RELAYOUT}",
+    ("8bit", "h100", "leaf"): "2.06 B/param",
+    ("4bit", "v5e:1x1", "leaf"): f"13.1 B/param: {_RELAYOUT} (and the 4-bit packing)",
     ("4bit", "h100", "leaf"): "1.06 B/param",
-    ("fp8", "v5e:1x1", "leaf"): f"8.02 B/param: {_RELAYOUT} (the chunk loop)",
+    ("fp8", "v5e:1x1", "leaf"): f"8.02 B/param: {_RELAYOUT}",
     ("fp8", "h100", "leaf"): "2.06 B/param",
-    ("bf16_stochastic_8bit", "v5e:1x1", "leaf"): f"12.1 B/param: {_GATHER}",
-    ("bf16_stochastic_8bit", "v5e:2x2", "leaf"): f"4.38 B/param: {_GATHER}",
+    ("bf16_stochastic_8bit", "v5e:1x1", "leaf"): f"8.06 B/param: {_RELAYOUT}",
     ("bf16_stochastic_8bit", "h100", "leaf"): "6.06 B/param",
-    ("fused_8bit", "v5e:1x1", "leaf"): f"9.13 B/param: {_GATHER}",
-    ("8bit", "v5e:2x2", "transformer"): f"23.1 B/param: {_GATHER}",
-    ("4bit", "v5e:2x2", "transformer"): "2.87 B/param",
+    ("fused_8bit", "v5e:1x1", "leaf"): f"4.28 B/param: {_RELAYOUT}",
+    ("8bit", "v5e:2x2", "transformer"): "2.58 B/param",
+    ("4bit", "v5e:2x2", "transformer"): "2.96 B/param",
 }
 BYTES_OPEN = {  # format -> its bytes-accessed ratio to optax.adamw on v5e:1x1
-    "8bit": f"300x: {_GATHER}",
     "4bit": "3.08x",
 }
 
