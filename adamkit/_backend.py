@@ -35,6 +35,8 @@ The rule (``backend`` is the user's argument):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -150,7 +152,40 @@ def use_kernel(backend: str, *arrays, ids=None, num_rows: int | None = None,
   where = placement(*arrays, *(() if ids is None else (ids,)))
   if not decide(backend, built=kernel_built(), fits=fits, where=where, big_enough=big_enough):
     return False
-  return TARGET if where == TRACED_ONE_CPU and backend == "auto" else NOW
+  if where == TRACED_ONE_CPU and backend == "auto":
+    platform = _LOWERING.get()
+    return TARGET if platform is None else (NOW if platform == "cpu" else False)
+  return NOW
+
+
+# The platform a trace is for, where a caller knows it (see lowering_for); None: unknown.
+_LOWERING: contextvars.ContextVar = contextvars.ContextVar("adamkit_lowering", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str | None):
+  """Within it, ``use_kernel`` takes the program to be compiled for ``platform`` ("cpu"
+  or another; ``None``: unknown, the default) instead of deferring to the lowering
+  (:data:`TARGET`). For a region that cannot hold a platform switch of its own (a
+  host-compute region): its caller switches around it, see :func:`by_platform`."""
+  token = _LOWERING.set(platform)
+  try:
+    yield
+  finally:
+    _LOWERING.reset(token)
+
+
+def by_platform(fn: Callable[[], Any], *arrays: Any) -> Any:
+  """``fn()``, traced once per platform under :func:`lowering_for` where ``arrays`` are
+  traced on a one-CPU process (the platform is the lowering's: :func:`on_cpu` keeps one
+  trace), else once."""
+  if _LOWERING.get() is not None or placement(*arrays) != TRACED_ONE_CPU:
+    return fn()
+
+  def on(platform):
+    with lowering_for(platform):
+      return fn()
+  return on_cpu(lambda: on("cpu"), lambda: on("other"))
 
 
 NOW, TARGET = "now", "target"  # use_kernel's yes: the kernel itself, or by the target

@@ -28,23 +28,24 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from adamkit import (
-    _adam,
-    _compat,
-    _masks,
-    _quant,
-    _quant_ops,
-    _row_sharded,
-    _stream,
-    _validate,
+  _adam,
+  _backend,
+  _compat,
+  _masks,
+  _quant,
+  _quant_ops,
+  _row_sharded,
+  _stream,
+  _validate,
 )
 from adamkit._fused import FlatMoments, FusedStep
 from adamkit._sparse_types import (
-    RowSparse,
-    _explicit_sharding,
-    gather_rows,
-    is_row_sparse,
-    safe_ids,
-    scatter_rows,
+  RowSparse,
+  _explicit_sharding,
+  gather_rows,
+  is_row_sparse,
+  safe_ids,
+  scatter_rows,
 )
 from adamkit._tree import is_tracer
 
@@ -559,10 +560,14 @@ def _offload_fused(opt: FusedStep, mode: str, memory_kind: str) -> FusedStep:
       return params, _to_host(state)
     # The fused step reads and writes the params: they go down with the grads, and the new
     # params (not an update) come up.
-    spaces = _spaces(state)
-    params, state, grads = jax.device_put((params, state, grads), _compat.HOST)
-    with _explain_host_tracing():
-      return _compat.on_host(opt.step.positional, (_compat.DEVICE, spaces))(params, state, grads)
+    def whole(params, state, grads):
+      spaces = _spaces(state)
+      params, state, grads = jax.device_put((params, state, grads), _compat.HOST)
+      with _explain_host_tracing():
+        return _compat.on_host(opt.step.positional, (_compat.DEVICE, spaces))(params, state,
+                                                                               grads)
+    # the kernel-or-XLA switch around the host region (see _whole_compute_step)
+    return _backend.by_platform(lambda: whole(params, state, grads), *jax.tree.leaves(grads))
 
   # The optax form: the optimizer's own ``update`` offloaded as any transform is.
   return FusedStep(_host_init(opt.init, mode, memory_kind), step_fn,
@@ -761,14 +766,17 @@ def _whole_compute_step(inner, updates, state, params, extra):
   def host_update(updates, state, params, extra):
     return inner.update(updates, state, params, **extra)
 
-  spaces = _spaces(state)
-  updates, state, params, extra = jax.device_put((updates, state, params, extra),
-                                                 _compat.HOST)
-  fn = _compat.on_host(host_update, (_compat.DEVICE, spaces))
-  with _explain_host_tracing():
-    if params is not None and not _reads_params(host_update, updates, state, params, extra):
-      params = None  # keep the 4 bytes per parameter of an unused copy off the link
-    return fn(updates, state, params, extra)
+  def whole(updates, state, params, extra):
+    spaces = _spaces(state)
+    updates, state, params, extra = jax.device_put((updates, state, params, extra),
+                                                   _compat.HOST)
+    fn = _compat.on_host(host_update, (_compat.DEVICE, spaces))
+    with _explain_host_tracing():
+      if params is not None and not _reads_params(host_update, updates, state, params, extra):
+        params = None  # keep the 4 bytes per parameter of an unused copy off the link
+      return fn(updates, state, params, extra)
+
+  return whole(updates, state, params, extra)
 
 
 def _maybe_streamed(inner, whole, chunk_bytes, updates, state, params, extra):

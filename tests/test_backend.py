@@ -227,7 +227,7 @@ def test_kernels_refuse_mismatched_sizes_themselves(kernel):
   for attrs, state in [(dict(adam, state=np.int64(3)), (big, big, big)), (ams, (big, big)),
                        (dict(ams, kind=np.int64(2)), (big, big, big)),
                        (dict(adam, decay=np.int64(3)), (big, big))]:
-    with pytest.raises(Exception, match=r"unknown variant or state count|2L\+S arguments"):
+    with pytest.raises(Exception, match=r"attributes? [a-z ]+(= -?\d+ )?must be|2L\+S arguments"):
       raw_call("adamkit_cpu_step", [sd(p), *map(sd, state)], s9, p, p, *state,
                offset=np.int64(0), **attrs)
   ids = jnp.array([1, 2, 3, 4], jnp.int32)
@@ -236,13 +236,13 @@ def test_kernels_refuse_mismatched_sizes_themselves(kernel):
   with pytest.raises(Exception, match="gradient rows do not match ids"):  # 2 rows for 4 ids
     raw_call("adamkit_cpu_sparse_lazy", [sd(table)] * 3, s9, ids, f32(2, 16), table, table,
              table, **adam, **lazy)
-  with pytest.raises(Exception, match="first moment is smaller"):
+  with pytest.raises(Exception, match=r"first moment( is smaller| \(\d+ elements\) does not hold)"):
     raw_call("adamkit_cpu_sparse_lazy", [sd(f32(10, 8)), sd(table), sd(table)], s9, ids,
              f32(4, 8), f32(10, 8), table, table, **adam, **lazy)
-  with pytest.raises(Exception, match="running maximum is smaller"):
+  with pytest.raises(Exception, match=r"running maximum( is smaller| \(\d+ elements\) does not hold)"):
     raw_call("adamkit_cpu_sparse_lazy", [sd(table), sd(table), sd(f32(10, 8)), sd(table)], s9,
              ids, f32(4, 8), table, table, f32(10, 8), table, **ams, **lazy)
-  with pytest.raises(Exception, match="unknown variant"):  # decoupled decay needs the table
+  with pytest.raises(Exception, match=r"unknown variant|attribute decay = 2 must be .* with apply = true"):  # needs the table
     raw_call("adamkit_cpu_sparse_lazy", [sd(table), sd(table), sd(f32(4)), sd(f32(4, 8))], s9,
              ids, f32(4, 8), table, table, **dict(adam, decay=np.int64(2)),
              **dict(lazy, apply=False))
