@@ -330,7 +330,7 @@ def memory_report(tx: optax.GradientTransformation, params: Any, target: str = "
   try:
     step = figures(_compile(tx, p, s, donate))
   except jax.errors.JaxRuntimeError as e:  # XLA refuses a program larger than the memory
-    if "RESOURCE_EXHAUSTED" not in str(e):
+    if "RESOURCE_EXHAUSTED" not in str(e) or "Vmem" in str(e):  # VMEM: a compile failure
       raise
     why = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
   return MemoryReport(target=target, devices=len(devices(target)), params=params_count(p),
