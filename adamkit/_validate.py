@@ -467,7 +467,7 @@ def check_quantized_values(q: Any, name: str, what: str = "state", slots: tuple 
   check_quantized_layout(q, name, what)
   if _is_tracer(q.codes) or _is_tracer(q.scales):
     return
-  scales = np.asarray(q.scales).reshape(-1)
+  scales = _local_values(q.scales)
   bad = ~(np.isfinite(scales) & (scales >= 0))
   if bad.any():
     block = int(np.argmax(bad))
@@ -476,7 +476,7 @@ def check_quantized_values(q: Any, name: str, what: str = "state", slots: tuple 
         f"{block}{_slot_of(slots, block * q.fmt.block_size)} ({int(bad.sum())} bad of "
         f"{scales.size}): a block's scale is its largest "
         "magnitude, finite and >= 0. The state is corrupted; restore another checkpoint.")
-  codes = np.asarray(q.codes)
+  codes = _local_values(q.codes)
   wrong = _bad_codes(codes, q.fmt).reshape(-1)
   if wrong.any():
     at = int(np.argmax(wrong))
@@ -489,6 +489,14 @@ def check_quantized_values(q: Any, name: str, what: str = "state", slots: tuple 
         f"{_slot_of(slots, at * (2 if q.fmt.packed else 1))} ({int(wrong.sum())} bad "
         f"bytes); its format writes {valid[(q.fmt.kind, q.fmt.role)]}. The state is "
         "corrupted; restore another checkpoint.")
+
+
+def _local_values(a: Any) -> np.ndarray:
+  """``a``'s values, flat; of an array spread over processes, this process's shards (each
+  process checks what it holds: fetching the rest would need a collective)."""
+  if isinstance(a, jax.Array) and not a.is_fully_addressable:
+    return np.concatenate([np.asarray(s.data).reshape(-1) for s in a.addressable_shards])
+  return np.asarray(a).reshape(-1)
 
 
 def _slot_of(slots: tuple, element: int) -> str:

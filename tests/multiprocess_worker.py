@@ -134,9 +134,9 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
 
   # The mesh run splits the batch and hidden reductions over devices, so its gradients
   # differ from one device's by float32 rounding; Adam's normalised step m / sqrt(v) turns
-  # that into up to ~1e-4 of a step (lr 0.05) on a near-zero gradient component. A wrong
-  # update would be off by about a whole step.
-  tol_params, tol_state = dict(rtol=1e-4, atol=1e-5), dict(rtol=1e-4, atol=1e-6)
+  # that into up to ~1e-3 of a step (lr 0.05) on a near-zero gradient component (jax 0.12's
+  # reduction order: 2.8e-4 seen). A wrong update would be off by about a whole step.
+  tol_params, tol_state = dict(rtol=1e-4, atol=5e-5), dict(rtol=1e-4, atol=1e-6)
   # bf16 params: a gradient one bf16 unit apart (0.4%) moves the float32 master by ~1e-4.
   tol_bf16 = dict(rtol=1e-2, atol=2e-4)
   cases = {}
