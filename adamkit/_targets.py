@@ -110,7 +110,7 @@ def fsdp_spec(shape: tuple, n: int, axis: str = "fsdp") -> P:
 
 
 def abstract(tree: Any, target: str, *, shard: str = "fsdp") -> Any:
-  """``tree`` (arrays or ``ShapeDtypeStruct``s) as ``ShapeDtypeStruct``s placed on
+  """``tree`` (arrays or ``ShapeDtypeStruct`` shapes) as ``ShapeDtypeStruct`` shapes placed on
   ``target``'s mesh: ``shard="fsdp"`` splits each leaf's largest divisible axis over all
   devices (:func:`fsdp_spec`), ``"replicated"`` copies it to each."""
   if shard not in ("fsdp", "replicated"):
@@ -125,7 +125,7 @@ def abstract(tree: Any, target: str, *, shard: str = "fsdp") -> Any:
 
 
 def abstract_state(init: Callable, params: Any, *, shard: str = "fsdp") -> Any:
-  """``init(params)``'s state as ``ShapeDtypeStruct``s on the params' mesh, laid out by the
+  """``init(params)``'s state as ``ShapeDtypeStruct`` shapes on the params' mesh, laid out by the
   same rule as the params (``shard``: see :func:`abstract`; every state leaf, a flat or a
   quantized buffer too, as an FSDP setup shards it), in the memory kind ``init`` compiled
   for the params' target gives it (an offloaded state's is host memory)."""
@@ -300,7 +300,7 @@ def memory_report(tx: optax.GradientTransformation, params: Any, target: str = "
 
   Args:
     tx: any adamkit (or optax) ``GradientTransformation``.
-    params: the params tree, arrays or ``ShapeDtypeStruct``s.
+    params: the params tree, arrays or ``ShapeDtypeStruct`` shapes.
     target: where the step is compiled for: ``"v5e:1x1"``, ``"v5e:2x2"`` (any TPU
       topology name; needs ``jax[tpu]``), ``"h100"`` / ``"h100:N"`` (needs
       ``jax-cuda13-plugin`` and a CUDA 13 toolkit) or ``"cpu"``.
@@ -340,7 +340,7 @@ def memory_report(tx: optax.GradientTransformation, params: Any, target: str = "
 
 def transformer_shapes(vocab: int = 8192, d_model: int = 512, layers: int = 6,
                        dtype: Any = jnp.float32) -> dict:
-  """A decoder-only transformer's params as ``ShapeDtypeStruct``s: a ``(vocab, d_model)``
+  """A decoder-only transformer's params as ``ShapeDtypeStruct`` shapes: a ``(vocab, d_model)``
   embedding, per layer an attention block (``qkv`` ``(d, 3d)``, ``out`` ``(d, d)``), an MLP
   (``(d, 4d)``, ``(4d, d)``) and two norms' scales, and a final norm. The defaults give
   23.1M parameters, the tree the accelerator tier and ``benchmarks/accelerator.py`` use."""

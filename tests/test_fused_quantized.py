@@ -55,7 +55,7 @@ def _direct_codes(g, block, amsgrad=False):
   for role in roles:
     z = _quant.zeros((n,), _quant.Format("8bit", role, block))
     state.append(ffi.Codes(z.codes, z.scales, _quant.code_book("8bit", role),
-                           _quant._midpoints("8bit", role)))
+                           _quant.kernel_midpoints(z.fmt)))
   _, out = jax.jit(functools.partial(ffi.dense_step_quantized, variant, offsets=[0] * len(roles),
                                      block=block))(s, [jnp.zeros_like(g)], [g], tuple(state))
   return [(np.asarray(c.codes).reshape(-1, block), np.asarray(c.scales)) for c in out]
@@ -75,7 +75,11 @@ def _hard_values(block, seed=0):
       rows.append(row)
   special = np.zeros(block, F32)
   special[: min(block, 6)] = [np.nan, np.inf, -np.inf, -0.0, 1e-40, -3.0][: min(block, 6)]
-  rows += [special, np.zeros(block, F32), np.full(block, 1e-38, F32)]
+  # the second moment's floor: g * g at 2^-126 (and a float32 either side) beside g = 1
+  floor = np.resize(np.array([2.0**-63, np.nextafter(F32(2.0**-63), F32(0)),
+                              np.nextafter(F32(2.0**-63), F32(1)), -(2.0**-63)], F32), block)
+  floor[-1] = 1.0
+  rows += [special, np.zeros(block, F32), np.full(block, 1e-38, F32), floor]
   return np.concatenate([x, np.stack(rows)]).reshape(-1)
 
 
@@ -107,7 +111,7 @@ def test_kernel_codes_in_multi_leaf_calls_with_partial_blocks(kernel):
   for fmt in fmts:
     z = _quant.zeros((blocks * 256 + 512,), fmt)  # two spare blocks, left untouched
     state.append(ffi.Codes(z.codes.at[-1].set(7), z.scales.at[-1].set(3.0),
-                           _quant.code_book("8bit", fmt.role), _quant._midpoints("8bit", fmt.role)))
+                           _quant.code_book("8bit", fmt.role), _quant.kernel_midpoints(fmt)))
   s = ffi.scalars("hat", b1=0.0, b2=0.0, eps=1e-8, lr=0.1, wd=0.0, bc1=1.0, bc2=1.0)
   _, out = jax.jit(functools.partial(ffi.dense_step_quantized, ffi.Variant("hat"),
                                      offsets=[1, 1], block=256))(s, [jnp.zeros_like(g) for g in gs],
@@ -148,13 +152,16 @@ class NumpyQuantizedAdamW:
       xb = np.maximum(xb, F32(0))
     scale = np.maximum(np.abs(xb).max(axis=1), F32(1e-12))
     r = xb * (F32(1) / scale)[:, None]
-    return np.searchsorted(_quant._midpoints("8bit", role), r, side="right"), scale
+    codes = np.searchsorted(_quant._midpoints("8bit", role), r, side="right")
+    if role == "nu":  # the floor: a positive r from 2^-126 up is never the code of 0
+      codes = np.where((codes == 0) & (r >= F32(2.0**-126)), 1, codes)
+    return codes, scale
 
   def decode(self, stored, role, shape):
     codes, scale = stored
-    # a negative, NaN or infinite scale (a damaged state) reads its block as zeros
-    scale = np.where((scale >= 0) & (scale <= np.finfo(F32).max), scale, F32(0))
     x = _quant.code_book("8bit", role)[codes] * scale[:, None]
+    # a negative, NaN or infinite scale (a damaged state) reads its block as zeros
+    x = np.where(((scale >= 0) & (scale <= np.finfo(np.float32).max))[:, None], x, F32(0))
     return x.reshape(-1)[:int(np.prod(shape))].reshape(shape)
 
   def load(self, name, k, role, shape):
@@ -203,8 +210,7 @@ def test_kernel_trajectory_with_nonfinite_values(kernel):
   """The vector pass meets NaN and +-inf gradients, gradients whose square overflows (an
   infinite v beside a finite m) and a first moment whose stored scale is NaN (a damaged
   state): it stores what is not finite as 0 and leaves it out of the scales, as the replica
-  (and _quant.encode_blocks) do, bit for bit; the damaged block reads as zeros (issue 32:
-  docs/low_memory.md, "A corrupted state")."""
+  (and _quant.encode_blocks) do, bit for bit."""
   rng = np.random.default_rng(4)
   params = {"w": jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)}
   grads = grads_for(params, 4, seed=5)
@@ -374,6 +380,9 @@ def test_4bit_first_moment_codes_are_the_dither_reference(multi_tensor):
       np.testing.assert_array_equal(levels, want, err_msg=f"{name} step {t}")
 
 
+EXACT = ak.Quantized("8bit", exact=True)  # torchao's arithmetic (no floor of v)
+
+
 def test_torchao_adamw8bit_replay(kernel):
   """The fused 8-bit step on the kernel replays torchao's AdamW8bit within 0.1 x lr at
   every step (the golden README: a wrong map or per-tensor scales land 0.45 x lr away)."""
@@ -381,7 +390,7 @@ def test_torchao_adamw8bit_replay(kernel):
   lr = float(d["lr"])
   opt = ak.fused_adamw(lr, float(d["b1"]), float(d["b2"]), float(d["eps"]),
                        weight_decay=float(d["weight_decay"]), weight_decay_mask=None,
-                       mu_dtype="8bit", nu_dtype="8bit", backend="kernel")
+                       mu_dtype=EXACT, nu_dtype=EXACT, backend="kernel")
   params = {k: jnp.asarray(d[f"init.{k}"]) for k in ("b", "w")}
   state = opt.init(params)
   assert state.mu["8bit"].shape == (64 * 256,) and state.mu["float32"].shape == (300,)
@@ -403,7 +412,7 @@ def test_torchao_adamw8bit_other_runs(kernel, run):
   kept in float32 by ``pad=False`` as torchao keeps it."""
   config, init, grads, recorded, quantized = load_ao_8bit_run(run)
   kw, lrs = config["kwargs"], config["lr"]
-  q = ak.Quantized("8bit", block_size=kw.get("block_size"), pad=False)
+  q = ak.Quantized("8bit", block_size=kw.get("block_size"), pad=False, exact=True)
   opt = ak.fused_adamw(lambda count: jnp.asarray(lrs)[count], *kw.get("betas", (0.9, 0.999)),
                        kw.get("eps", 1e-8), weight_decay=kw["weight_decay"],
                        weight_decay_mask=None, mu_dtype=q, nu_dtype=q, backend="kernel")
@@ -824,6 +833,6 @@ def test_chain_form_on_the_kernel_matches_the_xla_loop(kernel, monkeypatch):
         p = jax.tree.map(lambda a, b: a + b, p, u)
     runs.append((p, state))
     monkeypatch.setattr(_quant_ops, "_on_kernel", lambda *a: calls.append(False) or False)
-  assert True in calls[:6]  # the first run took the kernel (for w, 2^16 elements)
+  assert any(calls[:6])  # the first run took the kernel (for w, 2^16 elements): "now"
   for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
