@@ -14,11 +14,12 @@ calls and its state's bytes, or to ``{"skip": why}`` / ``{"error": why}``.
 
 import os
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = " ".join(
-    f for f in os.environ.get("XLA_FLAGS", "").split()
-    if "xla_force_host_platform_device_count" not in f)
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+if __name__ == "__main__":  # not when the tests import FORMATS: their subprocesses inherit
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = " ".join(
+      f for f in os.environ.get("XLA_FLAGS", "").split()
+      if "xla_force_host_platform_device_count" not in f)
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402

@@ -8,6 +8,8 @@ import os
 # accelerator tier compiles for those targets without their hardware) JAX must not look for
 # a TPU or GPU at start-up.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The accelerator tier loads libtpu here and in its worker process at once (libtpu's lock).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
