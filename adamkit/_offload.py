@@ -563,10 +563,13 @@ def _offload_fused(opt: FusedStep, mode: str, memory_kind: str) -> FusedStep:
     def whole(params, state, grads):
       spaces = _spaces(state)
       params, state, grads = jax.device_put((params, state, grads), _compat.HOST)
+      # A fresh function per trace: compute_on caches its trace by function, and
+      # by_platform traces this region once per platform (the kernel's, then XLA's).
+      def host_step(params, state, grads):
+        return opt.step.positional(params, state, grads)
       with _explain_host_tracing():
-        return _compat.on_host(opt.step.positional, (_compat.DEVICE, spaces))(params, state,
-                                                                               grads)
-    # the kernel-or-XLA switch around the host region (see _whole_compute_step)
+        return _compat.on_host(host_step, (_compat.DEVICE, spaces))(params, state, grads)
+    # the kernel-or-XLA switch around the host region (_backend.by_platform)
     return _backend.by_platform(lambda: whole(params, state, grads), *jax.tree.leaves(grads))
 
   # The optax form: the optimizer's own ``update`` offloaded as any transform is.

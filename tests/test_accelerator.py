@@ -99,15 +99,11 @@ def compiled(request, kernel, tmp_path_factory):
 
 
 _GPU_HOST = "XLA:GPU fails on the host-compute region's copies (INTERNAL: copy-start)"
-_TPU_HOST_KERNEL = ("the fused step's CPU kernel stays in the TPU program's host-compute region "
-                    "(No FFI handler for adamkit_cpu_step on the Host platform)")
 # Registry entries that do not compile for a target yet: strict xfails with XLA's reason.
 REGISTRY_OPEN = {
     ("adam_offload", "h100"): _GPU_HOST,
     ("offload_adam_compute", "h100"): _GPU_HOST,
     ("offload_fused_adamax_compute", "h100"): _GPU_HOST,
-    ("offload_fused_adamax_compute", "v5e:1x1"): _TPU_HOST_KERNEL,
-    ("offload_fused_adamax_compute", "v5e:2x2"): _TPU_HOST_KERNEL,
     ("offload_fused_adam_state", "v5e:2x2"): (
         "XLA:TPU: a dynamic-update-slice of the flat host buffer whose lane slice is no "
         "multiple of 128 (UNIMPLEMENTED)"),
