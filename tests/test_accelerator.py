@@ -32,6 +32,10 @@ import adamkit as ak
 from adamkit import _targets
 
 TARGETS = ("v5e:1x1", "v5e:2x2", "h100")
+# The registry compiles on the TPU mesh and the GPU. One TPU chip adds no case the mesh does
+# not have (the state's placement, the CPU kernel's absence) but the chip's memory limits,
+# which the formats' 16.8M-parameter leaf checks there; CI's time goes where it finds bugs.
+REGISTRY_TARGETS = ("v5e:2x2", "h100")
 WORKER = pathlib.Path(__file__).with_name("accelerator_worker.py")
 TEMP_BOUND = 0.25  # bytes of XLA temporaries per parameter (issue 30, item 4)
 # Steps that do not yet keep a bound: strict xfails (the day one is fixed the test says so),
@@ -112,7 +116,7 @@ REGISTRY_OPEN = {
 
 @pytest.mark.parametrize("name,target", [
     pytest.param(n, t, marks=[pytest.mark.xfail(strict=True, reason=REGISTRY_OPEN[(n, t)])]
-                 if (n, t) in REGISTRY_OPEN else []) for n in NAMES for t in TARGETS])
+                 if (n, t) in REGISTRY_OPEN else []) for n in NAMES for t in REGISTRY_TARGETS])
 def test_registry_compiles_for_target(compiled, name, target):
   """Every registry optimizer compiles for the target with no CPU kernel in the program;
   an offloaded state stays in host memory (its bytes are host arguments of the step)."""
