@@ -75,11 +75,12 @@ def compile_job(what: str, name: str, which: str, target: str) -> dict:
     factory, dtype = FORMATS[name]
     tx = factory()
   params = tree(which, dtype)
-  compiled, _, state = _targets.compile_step(tx, params, target)
+  compiled, abstract_params, state = _targets.compile_step(tx, params, target)
   return dict(figures=dataclasses.asdict(_targets.figures(compiled)),
               cpu_kernels=[c for c in _targets.custom_calls(compiled)
                            if c.startswith("adamkit_cpu")],
               devices=len(_targets.devices(target)), params=_targets.params_count(params),
+              params_bytes=_targets.per_device_bytes(abstract_params),
               state_bytes=_targets.per_device_bytes(state),
               state_host_bytes=_targets.host_bytes(state))
 

@@ -129,7 +129,11 @@ def test_registry_compiles_for_target(compiled, name, target):
     assert r["state_host_bytes"] > 0 and f["host_arguments"] >= r["state_host_bytes"], r
   else:
     assert r["state_host_bytes"] == 0 and f["host_arguments"] == 0, r
-  assert f["arguments"] >= r["state_bytes"] - r["state_host_bytes"], r
+  # The step's device arguments hold the params, the grads (laid out as the params) and
+  # the state's device part: their bytes (more on a TPU, which pads small leaves to its
+  # tiles; less a scalar or two that the step never reads, which jit drops: 4 bytes on h100).
+  device_args = 2 * r["params_bytes"] + r["state_bytes"] - r["state_host_bytes"]
+  assert f["arguments"] >= device_args - 16, r
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "fused_8bit", "bf16_stochastic_8bit"])
