@@ -2,7 +2,7 @@
 compiled without the hardware (deviceless ahead-of-time compiles, ``adamkit._targets``).
 
     JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/bench_targets.py
-    ... bench_targets.py --targets v5e:1x1 --trees leaf --configs 8bit,4bit
+    ... bench_targets.py --targets v5e:1x1 --trees leaf --configs "ak.adamw 8bit,ak.adamw 4bit"
 
 Needs ``jax[tpu]`` (TPU targets) and ``jax-cuda13-plugin`` with a CUDA 13 toolkit (``h100``).
 Each row is one step (update + ``optax.apply_updates``, params and state donated, as users
@@ -22,37 +22,24 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
+from accelerator import CONTENDERS
 from common import table, write_json
 
 import adamkit as ak
+from adamkit import _targets
 
-CONFIGS = {
-    "optax f32": lambda: optax.adamw(1e-3),
-    "ak f32": lambda: ak.adamw(1e-3),
-    "8bit": lambda: ak.adamw(1e-3, mu_dtype="8bit", nu_dtype="8bit"),
-    "4bit": lambda: ak.adamw(1e-3, mu_dtype="4bit", nu_dtype="4bit"),
-    "fp8": lambda: ak.adamw(1e-3, mu_dtype="fp8", nu_dtype="fp8"),
-}
+# The device benchmark's contenders (one list), their float32 rows: these figures are for a
+# float32 model
+CONFIGS = {name: factory for name, (factory, dtype) in CONTENDERS.items()
+           if dtype == jnp.float32 and not name.startswith("offload")}
+BASE = "optax.adamw f32"
 
 
 def leaf_tree() -> dict:
   return {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
 
 
-def transformer_tree(layers: int = 6, d: int = 512, vocab: int = 8192, mlp: int = 4) -> dict:
-  """Shapes of a decoder-only transformer: embedding, per layer attention (fused qkv, out)
-  and MLP weights with biases and norm gains, a final norm. 23.1M parameters by default."""
-  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-  tree = {"embed": f32(vocab, d), "final_norm": f32(d)}
-  for i in range(layers):
-    tree[f"layer{i}"] = {
-        "norm1": f32(d), "norm2": f32(d), "qkv": f32(d, 3 * d), "qkv_b": f32(3 * d),
-        "out": f32(d, d), "up": f32(d, mlp * d), "up_b": f32(mlp * d), "down": f32(mlp * d, d)}
-  return tree
-
-
-TREES = {"leaf": leaf_tree, "transformer": transformer_tree}
+TREES = {"leaf": leaf_tree, "transformer": _targets.transformer_shapes}
 
 
 def row(target: str, tree: str, config: str, base: float | None) -> tuple[list, dict]:
@@ -82,10 +69,10 @@ def main(argv=None):
   for target in args.targets.split(","):
     for tree in args.trees.split(","):
       base = None
-      for config in ["optax f32"] + [c for c in configs if c != "optax f32"]:
-        if config == "optax f32":
+      for config in [BASE] + [c for c in configs if c != BASE]:
+        if config == BASE:
           base = row(target, tree, config, None)[1]["bytes_accessed"]
-          if "optax f32" not in configs:
+          if BASE not in configs:
             continue
         cells, raw = row(target, tree, config, base)
         rows.append(cells)
