@@ -769,17 +769,14 @@ def _whole_compute_step(inner, updates, state, params, extra):
   def host_update(updates, state, params, extra):
     return inner.update(updates, state, params, **extra)
 
-  def whole(updates, state, params, extra):
-    spaces = _spaces(state)
-    updates, state, params, extra = jax.device_put((updates, state, params, extra),
-                                                   _compat.HOST)
-    fn = _compat.on_host(host_update, (_compat.DEVICE, spaces))
-    with _explain_host_tracing():
-      if params is not None and not _reads_params(host_update, updates, state, params, extra):
-        params = None  # keep the 4 bytes per parameter of an unused copy off the link
-      return fn(updates, state, params, extra)
-
-  return whole(updates, state, params, extra)
+  spaces = _spaces(state)
+  updates, state, params, extra = jax.device_put((updates, state, params, extra),
+                                                 _compat.HOST)
+  fn = _compat.on_host(host_update, (_compat.DEVICE, spaces))
+  with _explain_host_tracing():
+    if params is not None and not _reads_params(host_update, updates, state, params, extra):
+      params = None  # keep the 4 bytes per parameter of an unused copy off the link
+    return fn(updates, state, params, extra)
 
 
 def _maybe_streamed(inner, whole, chunk_bytes, updates, state, params, extra):
