@@ -75,6 +75,24 @@ def known_sharding(x: Any) -> Any:
   return sharding
 
 
+def zeros_like(x: Any) -> jax.Array:
+  """``jnp.zeros_like(x)`` on ``x``'s mesh.
+
+  jax 0.12 makes ``jnp.zeros_like`` of a traced array on a mesh with Explicit axes, under
+  ``jit`` with no mesh set (``jax.set_mesh``), an array of no mesh; an update of it with
+  values computed from ``x`` is then refused (``ShardingTypeError``). jax 0.10 keeps the
+  mesh. Here the zeros are resharded onto ``x``'s sharding where JAX dropped it.
+  """
+  z = jax.numpy.zeros_like(x)
+  sharding = known_sharding(x)
+  mesh = getattr(sharding, "mesh", None)
+  if (isinstance(x, jax.core.Tracer) and mesh is not None
+      and jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+      and getattr(getattr(jax.typeof(z), "sharding", None), "mesh", mesh).empty):
+    z = jax.sharding.reshard(z, sharding)
+  return z
+
+
 def tie_sharding(new: Any, old: Any) -> Any:
   """``new`` laid out as ``old`` (same shape).
 

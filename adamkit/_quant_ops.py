@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from adamkit import _backend, _quant, _validate
+from adamkit import _backend, _compat, _quant, _validate
 from adamkit._dtypes import compute_dtype
 from adamkit._tree import is_tracer
 from adamkit._validate import path_name
@@ -217,7 +217,7 @@ def _strided(moments, g, olds, rows: _Rows, count) -> list:
         for a, x in zip(out, _encode(n, o.fmt, count, lambda: rows.positions(i))))
         for out, n, o in zip(outs, news, olds)]
 
-  fresh = [tuple(map(jnp.zeros_like, x)) if _quant.is_qarray(o) else None
+  fresh = [tuple(map(_compat.zeros_like, x)) if _quant.is_qarray(o) else None
            for o, x in zip(olds, ins)]
   return _stored(olds, lax.fori_loop(0, rows.plan[1], body, fresh))
 
@@ -259,7 +259,7 @@ def _contiguous(moments, g, olds, block: int, count) -> list:
         lax.dynamic_update_slice_in_dim(a, x, lo // o.fmt.block_size, 0) for a, x in zip(out, nw))
         for out, nw, o in zip(outs, news, olds)]
 
-  outs = [tuple(map(jnp.zeros_like, x)) if _quant.is_qarray(o) else None
+  outs = [tuple(map(_compat.zeros_like, x)) if _quant.is_qarray(o) else None
           for o, x in zip(olds, ins)]
   k = n // size
   if k:

@@ -49,6 +49,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
   from registry import REGISTRY
 
   import adamkit as ak
+  from adamkit import _compat, _fused, _quant
 
   assert jax.process_count() == num_processes and jax.local_device_count() == 2
   mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"),
@@ -90,8 +91,11 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
     pred = jnp.tanh(h @ f32(params["w1"])) @ f32(params["w2"]) + f32(params["b"])
     return jnp.mean((pred - y) ** 2)
 
-  def make_step(opt, grads_kind):
+  def make_step(opt, grads_kind, pin=None):
+    """The jitted step; ``pin``: the params' shardings, given to jit as their
+    ``out_shardings`` (see :func:`pinned`)."""
     sparse_vg = ak.value_and_sparse_grad(loss)
+    out = None if pin is None else (pin, None)
 
     def grads_of(params, ids, y):
       if grads_kind == "sparse":
@@ -99,18 +103,31 @@ def main(process_id: int, num_processes: int, port: int, out_dir: pathlib.Path) 
       return jax.grad(loss)(params, ids, y)
 
     if isinstance(opt, ak.FusedStep):
-      return jax.jit(lambda p, s, ids, y: opt.step(p, s, grads=grads_of(p, ids, y)))
+      return jax.jit(lambda p, s, ids, y: opt.step(p, s, grads=grads_of(p, ids, y)),
+                     out_shardings=out)
 
-    @jax.jit
     def step(params, state, ids, y):
       updates, state = opt.update(grads_of(params, ids, y), state, params)
       return ak.apply_updates(params, updates), state
-    return step
+    return jax.jit(step, out_shardings=out)
+
+  def pinned(params, state):
+    """The params' shardings where the step cannot keep them by itself, else None: a
+    multi-tensor fused state (flat moment buffers, not the params' tree) on a JAX without
+    ``shard_alike`` (0.12), whose documented remedy on an Auto mesh is jit's
+    ``out_shardings`` (docs/optimizers/fused.md)."""
+    if _compat.TIES_SHARDINGS:
+      return None
+    fused = (_fused.FusedAdamState, _fused.FusedAmsgradState)
+    flat = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, fused))
+            if isinstance(x, fused) and jax.tree.structure(x.mu, is_leaf=_quant.is_qarray)
+            != jax.tree.structure(params)]
+    return jax.tree.map(lambda x: x.sharding, params) if flat else None
 
   def train(opt, grads_kind, kind, dtype, steps=STEPS):
     params = params_on(kind, dtype)
     state = opt.init(params)
-    step = make_step(opt, grads_kind)
+    step = make_step(opt, grads_kind, pinned(params, state))
     for ids, y in batches_on(kind)[:steps]:
       params, state = step(params, state, ids, y)
     return params, state
