@@ -77,23 +77,6 @@ def test_dtypes_and_shapes_are_stable(name, dtype):
   chex.assert_trees_all_equal_shapes_and_dtypes(params, new_params)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_no_retrace_on_later_steps(name):
-  tx = REGISTRY[name](0.01)
-  params = make_params()
-
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  state = tx.init(params)
-  for s in range(3):
-    params, state = step(params, state, make_grads(params, s))
-  chex.clear_trace_counter()
-
-
 def _accumulate_outside(name, lr):
   return optax.MultiSteps(REGISTRY[name](lr), every_k_schedule=2)
 
