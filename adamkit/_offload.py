@@ -579,7 +579,7 @@ def _offload_fused(opt: FusedStep, mode: str, memory_kind: str) -> FusedStep:
 
 
 def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state",
-            memory_kind: str = "pinned_host", chunk_bytes: Any = None
+            memory_kind: str = "pinned_host", chunk_bytes: Any = "auto"
             ) -> optax.GradientTransformationExtraArgs | FusedStep:
   r"""Keeps ``tx``'s state in host memory; the parameters stay in device memory.
 
@@ -597,15 +597,15 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
 
   ``"compute"`` moves a gradient down and an update up (8 bytes per float32 parameter;
   12 when ``tx`` reads the params, e.g. for weight decay); ``"state"`` moves the state
-  both ways (32 bytes per float32 Adam parameter) and computes at device speed. Neither
-  keeps the device free of the state during the step: compiled for a TPU v5e chip (XLA's
-  deviceless compile-time figures, not a measurement on hardware), one 2048x2048 float32
-  AdamW leaf (32 MiB of state) takes 64.2 MiB of device temporaries in ``"state"`` mode
-  and 48.2 MiB in ``"compute"`` mode, against 0 without offload; the state lives in host
-  memory *between* steps. ``chunk_bytes`` (``"state"`` mode) streams it in calls and
-  lowers that figure (1.9 MiB in 1 MiB calls, 8.8 MiB with ``"auto"``). Inside a
-  TPU or GPU program the host computation is XLA's own (an XLA:CPU FFI kernel cannot be
-  called there).
+  both ways (32 bytes per float32 Adam parameter) and computes at device speed. The state
+  lives in host memory *between* steps; staged whole, XLA brings all of it to the device
+  for the step: compiled for a TPU v5e chip (XLA's deviceless compile-time figures, not a
+  measurement on hardware), one 2048x2048 float32 AdamW leaf (32 MiB of state) takes
+  64.2 MiB of device temporaries in ``"state"`` mode with ``chunk_bytes=None`` and
+  48.2 MiB in ``"compute"`` mode, against 0 without offload. ``chunk_bytes`` (``"state"``
+  mode) streams it in calls and lowers that figure: 8.8 MiB with the default ``"auto"``
+  (8 MiB calls on a TPU), 1.9 MiB in 1 MiB calls. Inside a TPU or GPU program the host
+  computation is XLA's own (an XLA:CPU FFI kernel cannot be called there).
 
   ``init`` places the state in ``memory_kind`` laid out like the params (see
   :func:`offload_shardings`); ``update`` returns it there, so a plain
@@ -649,12 +649,18 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
       ``optax.apply_if_finite``, ``optax.adafactor``, ``ak.sparse_adam``; those raise at
       trace time naming ``mode="state"``).
     memory_kind: the host memory kind for the state: ``"pinned_host"``.
-    chunk_bytes: ``None`` (default: the state is staged whole), an int, or ``"auto"``
-      (8 MiB where the step is compiled for a TPU or GPU, ``None`` on a CPU), ``"state"``
-      mode only: the state is streamed through the device in calls of about this many
-      bytes of state, a large leaf in runs of rows, one ``lax.scan`` (see
+    chunk_bytes: ``"auto"`` (the default; before this release ``None``), an int, or
+      ``None`` (the state is staged whole). An int (``"state"`` mode of a transform
+      only): the state is streamed through the device in calls of about this many bytes
+      of state, a large leaf in runs of rows, one ``lax.scan`` (see
       ``adamkit/_stream.py`` for what stays exact, and the offload guide for the device
-      figures per format: quantized moments stream less well, 4-bit not yet on TPU).
+      figures per format). ``"auto"``: 8 MiB where a ``"state"`` step is compiled for a
+      TPU; whole (``None``) on a CPU (host and device memory are one RAM), on a GPU (XLA
+      does not compile the streamed step for a GPU target yet), for quantized moments
+      (XLA:TPU does not compile all their streamed steps yet: 4-bit ones, 8-bit ones of a
+      transformer-shaped tree; an int streams those that compile), in ``"compute"`` mode
+      and for a :class:`adamkit.FusedStep` (neither streams yet; an int there is
+      refused).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``tx``'s state, unchanged
@@ -726,13 +732,11 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
   _validate.check_choice("mode", mode, _MODES)
   _validate.check_choice("memory_kind", memory_kind, _HOST_KINDS)
   _stream.check_chunk_bytes(chunk_bytes)
-  if mode == "compute" and chunk_bytes is not None:
-    raise ValueError(
-        f"`chunk_bytes`={chunk_bytes!r} streams the state, which only mode='state' does so "
-        "far; mode='compute' takes chunk_bytes=None (one host computation of the whole "
-        "update).")
+  _check_streams(tx, mode, chunk_bytes)
   if isinstance(tx, FusedStep):
     return _offload_fused(tx, mode, memory_kind)
+  if mode == "compute":
+    chunk_bytes = None  # "auto": one host computation of the whole update
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError("`tx` must be an optax GradientTransformation or an adamkit FusedStep, "
                     f"got {type(tx).__name__}.")
@@ -751,6 +755,23 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
 
   return optax.GradientTransformationExtraArgs(_host_init(inner.init, mode, memory_kind),
                                                update_fn)
+
+
+def _check_streams(tx, mode: str, chunk_bytes: Any) -> None:
+  """An explicit ``chunk_bytes`` only where the state streams: ``mode="state"`` of a
+  transform (not of a :class:`adamkit.FusedStep`, whose one-pass step is not cut)."""
+  if chunk_bytes in (None, "auto"):
+    return
+  if mode == "compute":
+    raise ValueError(
+        f"`chunk_bytes`={chunk_bytes!r} streams the state, which only mode='state' does so "
+        "far; mode='compute' takes chunk_bytes='auto' (the default) or None: one host "
+        "computation of the whole update.")
+  if isinstance(tx, FusedStep):
+    raise ValueError(
+        f"`chunk_bytes`={chunk_bytes!r}: an offloaded FusedStep (ak.fused_adam, "
+        "ak.fused_adamax) is not streamed; it takes chunk_bytes='auto' (the default) or "
+        "None. To stream the state, offload the chain form (ak.adam, ak.adamw, ak.adamax).")
 
 
 def _has_row_sparse(updates) -> bool:
@@ -795,19 +816,24 @@ def _maybe_streamed(inner, whole, chunk_bytes, updates, state, params, extra):
 
 
 def _auto_chunk_bytes(updates, state, params, init, with_bytes):
-  """``chunk_bytes="auto"``: the whole state at once where host and device memory are one
-  RAM (a CPU), about 8 MiB per call on a TPU or GPU. Concrete arrays tell their platform;
-  inside ``jit`` both steps are traced and ``jax.lax.platform_dependent`` keeps the one of
-  the platform the step is compiled for (a deviceless TPU compile from a CPU process
-  included)."""
+  """``chunk_bytes="auto"``: about 8 MiB per call where the step of a state with no
+  quantized moments is compiled for a TPU; the whole state at once elsewhere. On a CPU
+  host and device memory are one RAM. XLA (jax 0.12) does not compile the streamed step
+  for a GPU target (its host copies: "INTERNAL: Copy-start ... has host memory space on
+  both sides"), nor for a TPU where quantized codes stream beside other leaves (an
+  async host call's shapes: 4-bit moments, 8-bit ones of a transformer-shaped tree).
+  Concrete arrays tell their platform; inside ``jit`` both steps are traced and
+  ``jax.lax.platform_dependent`` keeps the one of the platform the step is compiled for
+  (a deviceless TPU compile from a CPU process included)."""
+  if any(map(_quant.is_qarray, jax.tree.leaves(state, is_leaf=_quant.is_qarray))):
+    return with_bytes(None)
   devices = _concrete_devices((updates, params))
   if devices is not None:
-    cpu = devices[0].platform == "cpu"
-    return with_bytes(None if cpu else _stream.AUTO_BYTES)
+    return with_bytes(_stream.AUTO_BYTES if devices[0].platform == "tpu" else None)
   if _stream.structure(updates, state, params, _stream.AUTO_BYTES, init) is None:
     return with_bytes(None)  # nothing to stream: one trace
-  return jax.lax.platform_dependent(cpu=lambda: with_bytes(None),
-                                    default=lambda: with_bytes(_stream.AUTO_BYTES))
+  return jax.lax.platform_dependent(tpu=lambda: with_bytes(_stream.AUTO_BYTES),
+                                    default=lambda: with_bytes(None))
 
 
 def _check_state_memory(state, memory_kind: str) -> None:
@@ -831,8 +857,8 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  loss_scale: float = 1.0, grad_clip: Any = None,
                  grad_centralization: bool = False, groups: Any = None,
                  mu_dtype: Any = None, nu_dtype: Any = None, nonfinite: str = "propagate",
-                 mode: str | None = None,
-                 memory_kind: str = "pinned_host") -> optax.GradientTransformationExtraArgs:
+                 mode: str | None = None, memory_kind: str = "pinned_host",
+                 chunk_bytes: Any = "auto") -> optax.GradientTransformationExtraArgs:
   r"""MindSpore ``nn.AdamOffload``: :func:`adamkit.adam` with its state in host memory.
 
   .. math::
@@ -852,12 +878,13 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
       (MindSpore's defaults: decay skips ``beta``/``gamma`` names). A quantized
       ``mu_dtype``/``nu_dtype`` (:class:`adamkit.Quantized`, e.g. ``"8bit"``) keeps codes
       and scales in host memory: a quarter of the float32 state.
-    mode: and ``memory_kind``: as :func:`adamkit.offload`. Default: ``"compute"``
-      (MindSpore's), or ``"state"`` when ``mu_dtype`` or ``nu_dtype`` is a quantized
+    mode: and ``memory_kind``, ``chunk_bytes``: as :func:`adamkit.offload`. Default mode:
+      ``"compute"`` (MindSpore's), or ``"state"`` when ``mu_dtype`` or ``nu_dtype`` is a quantized
       format (``"compute"`` cannot step quantized moments on the host).
 
   Returns:
-    ``ak.offload(ak.adam(...), mode=mode, memory_kind=memory_kind)``.
+    ``ak.offload(ak.adam(...), mode=mode, memory_kind=memory_kind,
+    chunk_bytes=chunk_bytes)``.
 
   .. warning::
     MindSpore's ``use_locking`` has no counterpart (JAX updates are functional).
@@ -884,4 +911,4 @@ def adam_offload(learning_rate: Any = 1e-3, b1: float = 0.9, b2: float = 0.999,
                   loss_scale=loss_scale, grad_clip=grad_clip,
                   grad_centralization=grad_centralization, groups=groups, mu_dtype=mu_dtype,
                   nu_dtype=nu_dtype, nonfinite=nonfinite)
-  return offload(tx, mode=mode, memory_kind=memory_kind)
+  return offload(tx, mode=mode, memory_kind=memory_kind, chunk_bytes=chunk_bytes)

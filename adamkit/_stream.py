@@ -39,7 +39,7 @@ import numpy as np
 
 from adamkit import _compat, _quant
 
-AUTO_BYTES = 8 * 2**20  # "auto" on a TPU or GPU: about 8 MiB of state per call
+AUTO_BYTES = 8 * 2**20  # "auto" on a TPU: about 8 MiB of state per call
 
 
 def check_chunk_bytes(chunk_bytes: Any) -> Any:

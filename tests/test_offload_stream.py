@@ -6,6 +6,7 @@ installed, XLA's deviceless figures for a TPU v5e chip (adamkit._targets).
 """
 
 import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
@@ -124,9 +125,17 @@ def test_bad_chunk_bytes_named(bad):
     ak.offload(ak.adam(0.1), chunk_bytes=bad)
 
 
-def test_compute_mode_does_not_stream_yet():
-  with pytest.raises(ValueError, match="chunk_bytes"):
-    ak.offload(ak.adam(0.1), mode="compute", chunk_bytes=4096)
+@pytest.mark.parametrize("make,mode,what", [
+    (lambda: ak.adam(0.1), "compute", "mode='compute'"),
+    (lambda: ak.fused_adam(0.1), "state", "FusedStep"),
+    (lambda: ak.fused_adam(0.1), "compute", "mode='compute'")])
+def test_an_int_where_nothing_streams_yet_is_refused(make, mode, what):
+  """Compute mode and the fused steps take "auto" (the default: whole) or None; an int
+  is refused, never silently ignored."""
+  with pytest.raises(ValueError, match=f"`chunk_bytes`=4096.*{what}"):
+    ak.offload(make(), mode=mode, chunk_bytes=4096)
+  for chunk_bytes in ("auto", None):
+    ak.offload(make(), mode=mode, chunk_bytes=chunk_bytes)
 
 
 @needs_host
@@ -175,6 +184,30 @@ def test_tpu_v5e_state_stays_in_host_memory():
   assert figs[None].temporaries > state, figs  # the unstreamed step stages it all
   assert figs[2**20].temporaries <= state // 4, figs
   assert figs["auto"].temporaries <= state // 2, figs  # one 8 MiB call and its copies
+
+
+@pytest.mark.parametrize("target,fmt,shape", [("h100", "float32", (2048, 2048)),
+                                               ("v5e:1x1", "4bit", (4096, 4096))])
+def test_auto_stages_whole_where_the_streamed_step_does_not_compile(target, fmt, shape):
+  """The default ("auto") compiles where XLA refuses the streamed step (its host copies:
+  on a GPU target; quantized codes on a TPU, here 4-bit ones); there it stages the state
+  whole, the same program as chunk_bytes=None."""
+  from adamkit import _targets  # noqa: PLC0415 - the targets' packages may be missing
+
+  try:
+    _targets.devices(target)
+  except RuntimeError as e:
+    if os.environ.get("ADAMKIT_REQUIRE_TARGETS"):
+      raise
+    pytest.skip(str(e))
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+  state = jax.eval_shape(ak.adamw(1e-3, **FORMATS[fmt]).init, params)
+  assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) > _stream.AUTO_BYTES
+  figs = {}
+  for chunk_bytes in (None, "auto"):
+    tx = ak.offload(ak.adamw(1e-3, **FORMATS[fmt]), mode="state", chunk_bytes=chunk_bytes)
+    figs[chunk_bytes] = _targets.figures(_targets.compile_step(tx, params, target)[0])
+  assert figs["auto"] == figs[None], figs
 
 
 @needs_host
