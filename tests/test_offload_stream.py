@@ -107,6 +107,29 @@ def test_global_statistics_and_wrappers_stream_exactly(make):
 
 
 @needs_host
+@pytest.mark.parametrize("fmt", ["float32", "8bit"])
+def test_a_state_resumes_under_another_chunking(fmt):
+  """The streamed state is the transform's own state whatever the chunking (nothing in it
+  records the calls), so a run may change ``chunk_bytes`` between steps, or resume a
+  state of the unstreamed step: the same numbers as one chunking throughout."""
+  make = lambda: ak.adamw(0.05, weight_decay=0.01, **FORMATS[fmt])  # noqa: E731
+
+  def run(chunkings):
+    params, state = make_params(), None
+    for t, chunk_bytes in enumerate(chunkings):
+      tx = ak.offload(make(), mode="state", chunk_bytes=chunk_bytes)
+      state = tx.init(params) if state is None else state
+      u, state = jax.jit(tx.update)(grads_at(params, jnp.float32(t)), state, params)
+      params = optax.apply_updates(params, u)
+    return params, state
+
+  want_p, want_s = run([16384] * 4)
+  got_p, got_s = run([16384, 65536, None, 16384])
+  assert jax.tree.structure(got_s) == jax.tree.structure(want_s)
+  assert_close(got_p, want_p, ATOL[fmt])
+
+
+@needs_host
 def test_nonfinite_skip_skips_every_call():
   def grads(p, t):  # step 1's gradient has one NaN, in a piece the other calls do not hold
     g = grads_at(p, t)
