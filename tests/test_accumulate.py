@@ -142,7 +142,7 @@ def test_every_registry_optimizer_dense(name):
   g0, g1 = make_grads(params, 10), make_grads(params, 11)
   p, _ = _run(ak.multi_steps(REGISTRY[name](0.01), 2), params, [g0, g1])
   tx = REGISTRY[name](0.01)
-  u, _ = tx.update(jax.tree.map(lambda a, b: (a + b) / 2, g0, g1), tx.init(params), params)
+  u, _ = jax.jit(tx.update)(jax.tree.map(lambda a, b: (a + b) / 2, g0, g1), tx.init(params), params)
   assert_trees_close(p, optax.apply_updates(params, u), rtol=1e-5, atol=1e-6)
 
 

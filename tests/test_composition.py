@@ -37,20 +37,21 @@ def _steps(tx, params, grads_seq, state=None, update=None):
 # ------------------------------------------------------------------ dense idioms
 
 
-@pytest.mark.parametrize("inject", [optax.inject_hyperparams, ak.inject_hyperparams])
 @pytest.mark.parametrize("name", NAMES)
-def test_inject_hyperparams_keeps_structure_and_numbers(name, inject):
+def test_inject_hyperparams_keeps_structure_and_numbers(name):
+  """Both wrappers (optax's and adamkit's) against one run of the plain optimizer."""
   params = make_params()
   grads = [make_grads(params, s) for s in range(2)]
   plain = REGISTRY[name](LR)
-  injected = inject(REGISTRY[name])(lr=LR)
-  state = injected.init(params)
-  # the wrapped optimizer's state is the plain one: a running state can be wrapped
-  assert jax.tree.structure(state.inner_state) == jax.tree.structure(plain.init(params))
-  p_inj, s_inj = _steps(injected, params, grads)
   p_ref, s_ref = _steps(plain, params, grads)
-  assert jax.tree.structure(s_inj.inner_state) == jax.tree.structure(s_ref)
-  assert_trees_close(p_inj, p_ref, rtol=1e-6, atol=1e-7)
+  for inject in (optax.inject_hyperparams, ak.inject_hyperparams):
+    injected = inject(REGISTRY[name])(lr=LR)
+    state = injected.init(params)
+    # the wrapped optimizer's state is the plain one: a running state can be wrapped
+    assert jax.tree.structure(state.inner_state) == jax.tree.structure(plain.init(params))
+    p_inj, s_inj = _steps(injected, params, grads, state=state)
+    assert jax.tree.structure(s_inj.inner_state) == jax.tree.structure(s_ref)
+    assert_trees_close(p_inj, p_ref, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -315,32 +316,33 @@ def _functional_run(tx, params, steps=2):
   return params, state
 
 
-def _check_nnx_forms(name, form):
+def _check_nnx_forms(name, forms=("split", "pure")):
   plain = make_params()  # without the head's None (no nnx.Param of None)
   plain = {"conv": plain["conv"], "bn": plain["bn"], "head": plain["head"][0],
            "bias": plain["bias"]}
   want, want_state = _functional_run(REGISTRY[name](LR), plain)
   _, state = nnx.split(_nnx_net(plain))  # an nnx.State of nnx.Param variables
-  params = nnx.to_pure_dict(state) if form == "pure" else state
-  got, got_state = _functional_run(REGISTRY[name](LR), params)
-  chex.assert_trees_all_equal(nnx.to_pure_dict(got) if form == "split" else got, want)
-  # the state holds the same arrays (moments: plain arrays or codes and scales)
-  chex.assert_trees_all_equal(jax.tree.leaves(got_state), jax.tree.leaves(want_state))
+  for form in forms:
+    params = nnx.to_pure_dict(state) if form == "pure" else state
+    got, got_state = _functional_run(REGISTRY[name](LR), params)
+    chex.assert_trees_all_equal(nnx.to_pure_dict(got) if form == "split" else got, want)
+    # the state holds the same arrays (moments: plain arrays or codes and scales)
+    chex.assert_trees_all_equal(jax.tree.leaves(got_state), jax.tree.leaves(want_state))
 
 
-@pytest.mark.parametrize("form", ["split", "pure"])
 @pytest.mark.parametrize("name", NAMES)
-def test_nnx_functional_params_match_plain_arrays(name, form):
+def test_nnx_functional_params_match_plain_arrays(name):
   """Issue 32: the params ``nnx.split`` hands out (an ``nnx.State`` of ``nnx.Param``) and
   ``nnx.to_pure_dict``'s train as the plain arrays do, quantized moments included (they
-  failed at the first update: "state.mu does not match the gradient tree")."""
-  _check_nnx_forms(name, form)
+  failed at the first update: "state.mu does not match the gradient tree"); both forms
+  against one run on the plain arrays."""
+  _check_nnx_forms(name)
 
 
 @pytest.mark.parametrize("quantized", ["adamw_8bit", "sparse_adam_4bit_full"])
 def test_nnx_split_params_with_quantized_moments(quantized):
   """The fast tier's case of the test above (its registry products run in the full suite)."""
-  _check_nnx_forms(quantized, "split")
+  _check_nnx_forms(quantized, ("split",))
 
 
 # ------------------------------------------------------------------ sparse idioms

@@ -115,11 +115,13 @@ def test_a_state_resumes_under_another_chunking(fmt):
   make = lambda: ak.adamw(0.05, weight_decay=0.01, **FORMATS[fmt])  # noqa: E731
 
   def run(chunkings):
-    params, state = make_params(), None
+    params, state, updates = make_params(), None, {}
     for t, chunk_bytes in enumerate(chunkings):
-      tx = ak.offload(make(), mode="state", chunk_bytes=chunk_bytes)
-      state = tx.init(params) if state is None else state
-      u, state = jax.jit(tx.update)(grads_at(params, jnp.float32(t)), state, params)
+      if chunk_bytes not in updates:
+        tx = ak.offload(make(), mode="state", chunk_bytes=chunk_bytes)
+        state = tx.init(params) if state is None else state
+        updates[chunk_bytes] = jax.jit(tx.update)
+      u, state = updates[chunk_bytes](grads_at(params, jnp.float32(t)), state, params)
       params = optax.apply_updates(params, u)
     return params, state
 
