@@ -71,6 +71,9 @@ def compile_job(what: str, name: str, which: str, target: str) -> dict:
   if what == "registry":
     from registry import REGISTRY  # noqa: PLC0415 - tests/ is on the path only here
     tx, dtype = REGISTRY[name](1e-3), jnp.float32
+  elif what == "offload":  # name: the chunk_bytes of ak.offload(ak.adamw), "none" for None
+    chunk_bytes = None if name == "none" else name
+    tx, dtype = ak.offload(ak.adamw(1e-3), mode="state", chunk_bytes=chunk_bytes), jnp.float32
   else:
     factory, dtype = FORMATS[name]
     tx = factory()

@@ -69,6 +69,8 @@ def _jobs(item) -> list[tuple]:
       "test_transformer_tree_temporaries": lambda: [
           ("format", p["fmt"], "transformer", "v5e:2x2")],
       "test_docs_device_table": lambda: [("format", f, "leaf", t) for f, t in DOC_CELLS],
+      "test_offload_default_stages_whole_on_a_gpu": lambda: [
+          ("offload", c, "leaf", "h100") for c in ("auto", "none")],
       "test_tpu_bytes_accessed_against_optax": lambda: [
           ("format", p["fmt"], "leaf", "v5e:1x1"), ("format", "optax", "leaf", "v5e:1x1")],
   }.get(getattr(item, "originalname", item.name), list)()
@@ -178,6 +180,14 @@ def test_tpu_bytes_accessed_against_optax(compiled, fmt):
   ours = compiled("format", fmt, "leaf", "v5e:1x1")["figures"]["bytes_accessed"]
   theirs = compiled("format", "optax", "leaf", "v5e:1x1")["figures"]["bytes_accessed"]
   assert ours <= (1.05 if fmt == "float32" else 2.0) * theirs, ours / theirs
+
+
+def test_offload_default_stages_whole_on_a_gpu(compiled):
+  """``ak.offload``'s default ``chunk_bytes="auto"`` compiles for an H100, where XLA
+  refuses the streamed step's host copies: it stages the 128 MiB state whole there, the
+  program of ``chunk_bytes=None``."""
+  auto, whole = (compiled("offload", c, "leaf", "h100") for c in ("auto", "none"))
+  assert auto["cpu_kernels"] == [] and auto["figures"] == whole["figures"], (auto, whole)
 
 
 DOCS = pathlib.Path(__file__).parents[1] / "docs" / "accelerators.md"
