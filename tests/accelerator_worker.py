@@ -8,8 +8,10 @@ compiled for each target and the CPU kernels must appear on "cpu" only.
 
 Usage: ``python accelerator_worker.py JOBS.json OUT.json``; a job is ``[what, name, tree,
 target]`` (``what``: "registry" for ``tests/registry.py``'s entries, "format" for
-:data:`FORMATS`); the output maps each job (joined by "|") to its figures, its CPU custom
-calls and its state's bytes, or to ``{"skip": why}`` / ``{"error": why}``.
+:data:`FORMATS`, "offload" for a format's ``ak.offload`` in ``mode="state"``, named
+"FORMAT:CHUNK_BYTES"); the output maps each job (joined by "|") to its figures, its CPU
+custom calls, its state's bytes and its compile's seconds, or to ``{"skip": why}`` /
+``{"error": why}``.
 """
 
 import os
@@ -24,6 +26,7 @@ if __name__ == "__main__":  # not when the tests import FORMATS: their subproces
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -71,9 +74,11 @@ def compile_job(what: str, name: str, which: str, target: str) -> dict:
   if what == "registry":
     from registry import REGISTRY  # noqa: PLC0415 - tests/ is on the path only here
     tx, dtype = REGISTRY[name](1e-3), jnp.float32
-  elif what == "offload":  # name: the chunk_bytes of ak.offload(ak.adamw), "none" for None
-    chunk_bytes = None if name == "none" else name
-    tx, dtype = ak.offload(ak.adamw(1e-3), mode="state", chunk_bytes=chunk_bytes), jnp.float32
+  elif what == "offload":  # name: "FORMAT:CHUNK_BYTES" of ak.offload, "none" for None
+    fmt, chunk = name.split(":")
+    factory, dtype = FORMATS[fmt]
+    chunk_bytes = None if chunk == "none" else chunk if chunk == "auto" else int(chunk)
+    tx = ak.offload(factory(), mode="state", chunk_bytes=chunk_bytes)
   else:
     factory, dtype = FORMATS[name]
     tx = factory()
@@ -98,8 +103,10 @@ def main(jobs_file: str, out_file: str) -> None:
     except RuntimeError as e:  # the target's package is missing: the test skips, saying so
       out["|".join(job)] = {"skip": str(e)}
       continue
+    start = time.perf_counter()
     try:
       out["|".join(job)] = compile_job(*job)
+      out["|".join(job)]["seconds"] = round(time.perf_counter() - start, 2)
     except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
       out["|".join(job)] = {"error": f"{type(e).__name__}: {e}"}
   json.dump(out, open(out_file, "w"))

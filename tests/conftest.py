@@ -22,6 +22,21 @@ except (AttributeError, RuntimeError):  # older JAX, or backend already up
   pass
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+# A persistent compilation cache of this process alone (a new directory, removed at the end
+# of the session): the registry suites compile the same programs in many tests (a step in
+# its jitted, wrapped and checkpointed forms), and a hit skips the compile (501 items of
+# test_suite.py and test_composition.py took 0.69x their time on jax 0.12). Every program
+# is cached. Child processes (the second pytest, the two-process runs) do not inherit it:
+# JAX writes its entries unlocked, so two processes must not share a directory. A cache the
+# user configured (JAX_COMPILATION_CACHE_DIR) is left as it is.
+_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile
+  _CACHE_DIR = tempfile.mkdtemp(prefix="adamkit-jax-cache-")
+  jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 import functools  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -81,17 +96,19 @@ def kernel(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------ the fast tier
-# `python -m pytest -m "not slow"` is the contributors' quick run (a few minutes on 2
-# cores); CI runs everything. The marks are set here, in one place:
+# `python -m pytest -m "not slow"` is the contributors' quick run (under 5 minutes of CPU);
+# CI runs everything (and the fast tier on the oldest JAX). The marks are set here, in one
+# place:
 # - whole files: the sanitizer build of the kernels, the two-process runs;
 # - the notebooks (nbmake runs each in its own kernel);
 # - single long tests (SLOW_TESTS): the demo's runs, MathJax in a browser, a repeated docs
-#   run, a fresh interpreter without the kernels, the cross-checks against PyTorch;
+#   run, a fresh interpreter without the kernels, the cross-checks against PyTorch, and
+#   HEAVY: every test whose fast-tier case took 2.2 s or more (jax 0.10.2, Python 3.11,
+#   2 cores; 2026-11-29);
 # - the registry products: a suite parametrized over every registry optimizer runs in the
-#   fast tier on FAST_NAMES only (the options-heavy Adam, AdamW and sparse chains and the
-#   offloaded sparse optimizer);
-# - every other parametrized test runs FAST_CASES of its cases (its first and its last),
-#   except the docs' pages, which all run, and the registry products above.
+#   fast tier on FAST_NAMES only (the options-heavy Adam chain and the offloaded sparse
+#   optimizer);
+# - every other parametrized test runs its first case.
 SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
 SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               # 26 compiles for TPU and GPU targets (the table of docs/accelerators.md)
@@ -104,33 +121,96 @@ SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               # cross-checks against PyTorch (importing torch alone takes seconds)
               "test_adamw.py::test_amsgrad_matches_torch_adam_and_adamw",
               "test_sparse.py::test_lazy_matches_torch_sparse_adam"}
-FAST_NAMES = {"adam_full", "adamw_amsgrad_full", "sparse_adam_full", "offload_sparse_adam_state"}
-FAST_CASES = 2
-EVERY_CASE = {"test_readme.py::test_page_examples_run"}
-
-
-def _spread(n: int, k: int) -> set[int]:
-  """``k`` indices spread over ``range(n)``, first and last included."""
-  return set(range(n)) if n <= k else {round(i * (n - 1) / (k - 1)) for i in range(k)}
+HEAVY = {
+    "test_accumulate.py": {"test_fewer_ids_than_declared_and_sum",
+        "test_nnx_optimizer_accumulates_sparse_gradients", "test_outside_offload_equals_plain",
+        "test_skip_function_drops_a_micro_step"},
+    "test_api.py": {"test_complex_parameters_adam_matches_optax"},
+    "test_checkpoint.py": {"test_float32_state_dict_loads_into_a_quantized_template",
+        "test_quantized_multi_tensor_state_dict_loads_into_float32_fused",
+        "test_quantized_state_round_trip"},
+    "test_checkpoint_orbax.py": {"test_orbax_resume_bf16_param_rounding_is_bit_identical"},
+    "test_findings.py": {"test_a_positional_fused_step_is_refused",
+        "test_adamw_trains_complex_params_as_optax_adamw",
+        "test_orbax_restored_offloaded_sparse_state_just_works"},
+    "test_findings_lowmem.py": {"test_a_bad_scale_reads_as_a_zero_block_in_the_step",
+        "test_a_bad_scale_reads_as_a_zero_block_on_the_kernel",
+        "test_a_code_is_accepted_exactly_when_it_reads_back_inside_its_range",
+        "test_documented_temporaries_of_the_chain_step_are_todays",
+        "test_offload_state_refuses_a_bad_scale_naming_the_leaf",
+        "test_offload_state_refuses_codes_off_the_code_book"},
+    "test_fused.py": {"test_multi_tensor_many_leaves_split_into_runs"},
+    "test_fused_quantized.py": {"test_chain_form_on_the_kernel_matches_the_xla_loop",
+        "test_kernel_codes_in_multi_leaf_calls_with_partial_blocks",
+        "test_lazy_quantized_jit_eager_and_optax_form_agree",
+        "test_lazy_quantized_per_leaf_and_flat_give_the_same_codes",
+        "test_lazy_quantized_step_leaves_untouched_rows_bit_identical",
+        "test_lazy_quantized_table_is_sparse_adam",
+        "test_lazy_row_sparse_leaf_with_blocks_across_rows_is_refused",
+        "test_requantize_is_the_step_written_out", "test_torchao_adamw8bit_replay"},
+    "test_fused_rounding.py": {"test_quantized_moments_with_rounding_match_the_wrapper",
+        "test_step_is_the_wrapper_bit_for_bit", "test_stochastic_steps_draw_from_their_seed"},
+    "test_kernel_attrs.py": {"test_every_handler_checks_its_attributes_overflow_free"},
+    "test_nnx.py": {"test_nnx_corrected_adam_equals_optax_adam",
+        "test_nnx_optimizer_equals_pure_optax_run_with_flax_mask"},
+    "test_offload.py": {"test_inject_hyperparams_and_multisteps_interop",
+        "test_sparse_adam_sharded_table"},
+    "test_offload_fused.py": {"test_quantized_moments_offloaded"},
+    "test_offload_stream.py": {"test_a_state_resumes_under_another_chunking",
+        "test_global_statistics_and_wrappers_stream_exactly",
+        "test_multi_steps_streams_exactly_both_orders", "test_nonfinite_skip_skips_every_call",
+        "test_streamed_equals_unstreamed_and_non_offloaded"},
+    "test_quant_format.py": {"test_4bit_mu_codes_are_the_dither_reference",
+        "test_4bit_mu_rounding_is_unbiased", "test_8bit_encode_equals_midpoint_count_everywhere",
+        "test_8bit_encode_of_non_finite_values", "test_jit_equals_eager",
+        "test_padding_of_a_leaf_that_is_not_whole_blocks",
+        "test_whole_blocks_keep_the_leading_axes", "test_zeros_read_back_zero"},
+    "test_quantized.py": {"test_8bit_replays_torchao_adamw8bit",
+        "test_chunked_encoding_equals_one_pass", "test_framework_states_fill_a_quantized_state",
+        "test_layouts_padding_and_min_size",
+        "test_loading_a_4bit_first_moment_dithers_at_the_state_dicts_step",
+        "test_nonfinite_gradients_leave_no_nan_scale",
+        "test_state_dict_names_float32_moments_and_loads_back",
+        "test_torchao_tolerance_tells_formats_apart"},
+    "test_quantized_sparse.py": {"test_duplicates_equal_their_summed_single_id",
+        "test_lazy_leaves_untouched_rows_codes_and_scales_bit_identical",
+        "test_non_lazy_equals_the_dense_quantized_step_on_the_densified_gradient",
+        "test_offloaded_state_moves_only_the_touched_rows_codes",
+        "test_small_rows_keep_their_own_scale",
+        "test_table_sharded_by_rows_keeps_codes_and_scales_sharded",
+        "test_unique_ids_fast_path_matches_default"},
+    "test_reference.py": {"test_adam_amsgrad_matches_float64_reference",
+        "test_adamax_matches_float64_reference", "test_adamw_matches_float64_reference",
+        "test_clip_centralize_matches_reference", "test_corrected_mode_equals_optax_adam"},
+    "test_rounding.py": {"test_inner_sees_float32_and_float32_leaves_pass_through",
+        "test_multisteps_of_two_equal_grads_is_one_step", "test_seed_forms_give_the_same_bits",
+        "test_trajectory_matches_the_numpy_rule"},
+    "test_row_sharded.py": {"test_amsgrad_keeps_xla",
+        "test_auto_axes_groups_checkpoints_and_offload",
+        "test_auto_axes_split_unknown_at_init_keeps_xla"},
+    "test_second_pytest.py": {"test_worker_outcomes_are_reported_in_the_main_run"},
+    "test_sparse.py": {"test_duplicates_equal_their_summed_single_id",
+        "test_table_sharded_by_rows_over_8_devices",
+        "test_value_and_sparse_grad_matches_dense_grad"},
+}
+SLOW_TESTS |= {f"{file}::{name}" for file, names in HEAVY.items() for name in names}
+FAST_NAMES = {"adam_full", "offload_sparse_adam_state"}
 
 
 def pytest_collection_modifyitems(config, items):
   from registry import REGISTRY
   assert FAST_NAMES <= set(REGISTRY), FAST_NAMES - set(REGISTRY)
-  cases = {}  # test -> its parametrized items still in the fast tier
+  first_cases = set()  # the parametrized tests whose first case is in the fast tier
   for item in items:
     test = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
     name = getattr(item, "callspec", None) and item.callspec.params.get("name")
     if (item.path.name in SLOW_FILES or item.path.suffix == ".ipynb" or test in SLOW_TESTS
         or (isinstance(name, str) and name in REGISTRY and name not in FAST_NAMES)):
       item.add_marker(pytest.mark.slow)
-    elif hasattr(item, "callspec") and test not in EVERY_CASE and name not in FAST_NAMES:
-      cases.setdefault(test, []).append(item)
-  for group in cases.values():
-    keep = _spread(len(group), FAST_CASES)
-    for i, item in enumerate(group):
-      if i not in keep:
+    elif hasattr(item, "callspec") and name not in FAST_NAMES:
+      if test in first_cases:
         item.add_marker(pytest.mark.slow)
+      first_cases.add(test)
   if not WORKER:  # the files a second pytest runs go last here (a stable sort)
     items.sort(key=lambda item: item.path.name in WORKER_FILES)
 
@@ -211,6 +291,9 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+  if _CACHE_DIR:
+    import shutil
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
   if WORKER:
     pathlib.Path(WORKER).write_text(json.dumps(_REPORTS))
     return

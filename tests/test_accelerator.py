@@ -69,8 +69,8 @@ def _jobs(item) -> list[tuple]:
       "test_transformer_tree_temporaries": lambda: [
           ("format", p["fmt"], "transformer", "v5e:2x2")],
       "test_docs_device_table": lambda: [("format", f, "leaf", t) for f, t in DOC_CELLS],
-      "test_offload_default_stages_whole_on_a_gpu": lambda: [
-          ("offload", c, "leaf", "h100") for c in ("auto", "none")],
+      "test_offload_default_stages_whole_where_streaming_fails": lambda: [
+          ("offload", f"{p['fmt']}:{c}", "leaf", p["target"]) for c in ("auto", "none")],
       "test_tpu_bytes_accessed_against_optax": lambda: [
           ("format", p["fmt"], "leaf", "v5e:1x1"), ("format", "optax", "leaf", "v5e:1x1")],
   }.get(getattr(item, "originalname", item.name), list)()
@@ -182,12 +182,15 @@ def test_tpu_bytes_accessed_against_optax(compiled, fmt):
   assert ours <= (1.05 if fmt == "float32" else 2.0) * theirs, ours / theirs
 
 
-def test_offload_default_stages_whole_on_a_gpu(compiled):
-  """``ak.offload``'s default ``chunk_bytes="auto"`` compiles for an H100, where XLA
-  refuses the streamed step's host copies: it stages the 128 MiB state whole there, the
-  program of ``chunk_bytes=None``."""
-  auto, whole = (compiled("offload", c, "leaf", "h100") for c in ("auto", "none"))
+@pytest.mark.parametrize("fmt,target", [("float32", "h100"), ("4bit", "v5e:1x1")])
+def test_offload_default_stages_whole_where_streaming_fails(compiled, fmt, target):
+  """``ak.offload``'s default ``chunk_bytes="auto"`` compiles where XLA refuses the streamed
+  step (the host copies on an H100; 4-bit codes on a TPU chip): there it stages the state
+  (128 MiB of float32 moments, 16 MiB of 4-bit ones) whole, the program of ``None``."""
+  auto, whole = (compiled("offload", f"{fmt}:{c}", "leaf", target) for c in ("auto", "none"))
   assert auto["cpu_kernels"] == [] and auto["figures"] == whole["figures"], (auto, whole)
+  if target != "h100":  # (the GPU compile-only client has no memory kinds: see above)
+    assert auto["state_host_bytes"] > 0, auto
 
 
 DOCS = pathlib.Path(__file__).parents[1] / "docs" / "accelerators.md"

@@ -21,7 +21,6 @@ def _q(kind):
   return ak.Quantized(kind, block_size=64, min_size=0)
 
 
-# (the multi-tensor form last: the fast tier runs a parametrized test's first and last case)
 FORMS = {
     "chain": lambda fmt: ak.adamw(0.01, weight_decay=0.01, mu_dtype=fmt, nu_dtype=fmt),
     "fused_per_leaf": lambda fmt: ak.fused_adamw(0.01, mu_dtype=fmt, nu_dtype=fmt,

@@ -6,7 +6,6 @@ installed, XLA's deviceless figures for a TPU v5e chip (adamkit._targets).
 """
 
 import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -209,30 +208,6 @@ def test_tpu_v5e_state_stays_in_host_memory():
   assert figs[None].temporaries > state, figs  # the unstreamed step stages it all
   assert figs[2**20].temporaries <= state // 4, figs
   assert figs["auto"].temporaries <= state // 2, figs  # one 8 MiB call and its copies
-
-
-@pytest.mark.parametrize("target,fmt,shape", [("v5e:1x1", "4bit", (4096, 4096))])
-def test_auto_stages_whole_where_the_streamed_step_does_not_compile(target, fmt, shape):
-  """The default ("auto") compiles where XLA refuses the streamed step (quantized codes
-  on a TPU, here 4-bit ones); there it stages the state whole, the same program as
-  chunk_bytes=None. (On a GPU target: tests/test_accelerator.py, whose worker process
-  compiles for an H100.)"""
-  from adamkit import _targets  # noqa: PLC0415 - the targets' packages may be missing
-
-  try:
-    _targets.devices(target)
-  except RuntimeError as e:
-    if os.environ.get("ADAMKIT_REQUIRE_TARGETS"):
-      raise
-    pytest.skip(str(e))
-  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
-  state = jax.eval_shape(ak.adamw(1e-3, **FORMATS[fmt]).init, params)
-  assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) > _stream.AUTO_BYTES
-  figs = {}
-  for chunk_bytes in (None, "auto"):
-    tx = ak.offload(ak.adamw(1e-3, **FORMATS[fmt]), mode="state", chunk_bytes=chunk_bytes)
-    figs[chunk_bytes] = _targets.figures(_targets.compile_step(tx, params, target)[0])
-  assert figs["auto"] == figs[None], figs
 
 
 @needs_host
