@@ -8,8 +8,8 @@ compiled for each target and the CPU kernels must appear on "cpu" only.
 
 Usage: ``python accelerator_worker.py JOBS.json OUT.json``; a job is ``[what, name, tree,
 target]`` (``what``: "registry" for ``tests/registry.py``'s entries, "format" for
-:data:`FORMATS`, "offload" for a format's ``ak.offload`` in ``mode="state"``, named
-"FORMAT:CHUNK_BYTES"); the output maps each job (joined by "|") to its figures, its CPU
+:data:`FORMATS`, "offload" for a format's ``ak.offload``, named "FORMAT:CHUNK_BYTES" in
+``mode="state"`` or "FORMAT:compute"); the output maps each job (joined by "|") to its figures, its CPU
 custom calls, its state's bytes and its compile's seconds, or to ``{"skip": why}`` /
 ``{"error": why}``.
 """
@@ -74,11 +74,14 @@ def compile_job(what: str, name: str, which: str, target: str) -> dict:
   if what == "registry":
     from registry import REGISTRY  # noqa: PLC0415 - tests/ is on the path only here
     tx, dtype = REGISTRY[name](1e-3), jnp.float32
-  elif what == "offload":  # name: "FORMAT:CHUNK_BYTES" of ak.offload, "none" for None
+  elif what == "offload":  # name: "FORMAT:CHUNK_BYTES" ("none": None), or "FORMAT:compute"
     fmt, chunk = name.split(":")
     factory, dtype = FORMATS[fmt]
-    chunk_bytes = None if chunk == "none" else chunk if chunk == "auto" else int(chunk)
-    tx = ak.offload(factory(), mode="state", chunk_bytes=chunk_bytes)
+    if chunk == "compute":
+      tx = ak.offload(factory(), mode="compute")
+    else:
+      chunk_bytes = None if chunk == "none" else chunk if chunk == "auto" else int(chunk)
+      tx = ak.offload(factory(), mode="state", chunk_bytes=chunk_bytes)
   else:
     factory, dtype = FORMATS[name]
     tx = factory()

@@ -113,6 +113,7 @@ SLOW_FILES = {"test_sanitizer.py", "test_multiprocess.py"}
 SLOW_TESTS = {"test_demo.py::test_demo_main_trains_every_optimizer",
               # 26 compiles for TPU and GPU targets (the table of docs/accelerators.md)
               "test_accelerator.py::test_docs_device_table",
+              "test_accelerator.py::test_docs_offload_rows",  # 9 more for docs/offload.md
               "test_demo.py::test_demo_subset_and_plain_progress",
               # the same pages as test_readme.py's test_page_examples_run
               "test_composition.py::test_docs_examples_run",

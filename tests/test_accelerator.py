@@ -69,6 +69,8 @@ def _jobs(item) -> list[tuple]:
       "test_transformer_tree_temporaries": lambda: [
           ("format", p["fmt"], "transformer", "v5e:2x2")],
       "test_docs_device_table": lambda: [("format", f, "leaf", t) for f, t in DOC_CELLS],
+      "test_docs_offload_rows": lambda: [(*job, "leaf", "v5e:1x1")
+                                         for job in OFFLOAD_ROWS.values()],
       "test_offload_default_stages_whole_where_streaming_fails": lambda: [
           ("offload", f"{p['fmt']}:{c}", "leaf", p["target"]) for c in ("auto", "none")],
       "test_tpu_bytes_accessed_against_optax": lambda: [
@@ -217,6 +219,35 @@ def test_docs_device_table(compiled):
   assert marker in text
   shown = text.split(marker, 1)[1].split("\n\n", 1)[0]
   assert shown == device_table(compiled)
+
+
+OFFLOAD_DOCS = DOCS.with_name("offload.md")
+OFFLOAD_ROWS = {  # docs/offload.md's rows of the 4096x4096 leaf -> the job compiling them
+    "4096x4096 f32, no offload": ("format", "float32"),
+    '4096x4096 f32, `mode="state"` (default: 8 MiB calls)': ("offload", "float32:auto"),
+    '4096x4096 f32, `mode="state", chunk_bytes=None`': ("offload", "float32:none"),
+    '4096x4096 f32, `mode="compute"`': ("offload", "float32:compute"),
+    "4096x4096 8-bit, no offload": ("format", "8bit"),
+    '4096x4096 8-bit, `mode="state"` (default: staged whole)': ("offload", "8bit:auto"),
+    '4096x4096 8-bit, `mode="state", chunk_bytes=8 MiB`': ("offload", "8bit:8388608"),
+    "4096x4096 4-bit, no offload": ("format", "4bit"),
+    '4096x4096 4-bit, `mode="state"` (default: staged whole)': ("offload", "4bit:auto"),
+}
+
+
+def test_docs_offload_rows(compiled):
+  """docs/offload.md's device temporaries and peaks of the 4096x4096 leaf on a TPU chip are
+  the compiled programs' (the rows' last two columns, in MiB)."""
+  rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]]
+          for line in OFFLOAD_DOCS.read_text().splitlines() if line.startswith("| 4096x4096")
+          for cells in [line.split("|")]}
+  assert set(rows) == set(OFFLOAD_ROWS), set(rows) ^ set(OFFLOAD_ROWS)
+  mib = lambda b: "0" if b == 0 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+  for label, (what, name) in OFFLOAD_ROWS.items():
+    r = compiled(what, name, "leaf", "v5e:1x1")
+    f = r["figures"]
+    peak = f["arguments"] + f["outputs"] - f["aliased"] + f["temporaries"]
+    assert rows[label][-2:] == [mib(f["temporaries"]), mib(peak)], (label, r)
 
 
 # ------------------------------------------------------------------ memory_report and errors
