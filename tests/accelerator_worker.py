@@ -9,9 +9,9 @@ compiled for each target and the CPU kernels must appear on "cpu" only.
 Usage: ``python accelerator_worker.py JOBS.json OUT.json``; a job is ``[what, name, tree,
 target]`` (``what``: "registry" for ``tests/registry.py``'s entries, "format" for
 :data:`FORMATS`, "offload" for a format's ``ak.offload``, named "FORMAT:CHUNK_BYTES" in
-``mode="state"`` or "FORMAT:compute"); the output maps each job (joined by "|") to its figures, its CPU
-custom calls, its state's bytes and its compile's seconds, or to ``{"skip": why}`` /
-``{"error": why}``.
+``mode="state"`` or "FORMAT:compute"); the output maps each job (joined by "|") to its
+figures, its CPU custom calls, its state's bytes and its compile's seconds, or to
+``{"skip": why}`` / ``{"error": why}``.
 """
 
 import os
