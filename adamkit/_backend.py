@@ -208,3 +208,9 @@ def on_cpu(cpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
   lowering platform, outside ``jit`` the default backend's). Their outputs must have the
   same structure, shapes and dtypes."""
   return jax.lax.platform_dependent(cpu=cpu, default=other)
+
+
+def on_gpu(gpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
+  """``gpu()`` where the program is compiled for an NVIDIA or AMD GPU, ``other()``
+  elsewhere, as :func:`on_cpu` picks (both traced, same output structure)."""
+  return jax.lax.platform_dependent(cuda=gpu, rocm=gpu, default=other)

@@ -56,6 +56,7 @@ FORMATS = {  # name -> (factory, param dtype); "optax": the reference step
     "4bit": (lambda: ak.adamw(1e-3, mu_dtype="4bit", nu_dtype="4bit"), jnp.float32),
     "fp8": (lambda: ak.adamw(1e-3, mu_dtype="fp8", nu_dtype="fp8"), jnp.float32),
     "bf16": (lambda: ak.adamw(1e-3), jnp.bfloat16),
+    "bf16_8bit": (lambda: ak.adamw(1e-3, **Q8), jnp.bfloat16),
     "bf16_stochastic": (lambda: ak.param_rounding(ak.adamw(1e-3), "stochastic"), jnp.bfloat16),
     "bf16_kahan": (lambda: ak.param_rounding(ak.adamw(1e-3), "kahan"), jnp.bfloat16),
     "bf16_stochastic_8bit": (lambda: ak.param_rounding(ak.adamw(1e-3, **Q8), "stochastic"),
