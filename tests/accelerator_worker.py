@@ -47,6 +47,7 @@ SMALL = {"conv": {"kernel": (3, 3, 8, 16), "bias": (16,)},
          "dense": {"kernel": (64, 192), "bias": (192,)},
          "bn": {"gamma": (64,), "beta": (64,)}, "embed": (512, 64), "odd": (7, 5)}
 LEAF = {"w": (4096, 4096)}  # 16.8M parameters in one leaf
+RAGGED = {"w": (4096, 4000)}  # rows that are no whole number of blocks (contiguous chunks)
 
 Q8 = dict(mu_dtype="8bit", nu_dtype="8bit")
 FORMATS = {  # name -> (factory, param dtype); "optax": the reference step
@@ -68,7 +69,7 @@ FORMATS = {  # name -> (factory, param dtype); "optax": the reference step
 def tree(which: str, dtype) -> dict:
   if which == "transformer":
     return _targets.transformer_shapes(dtype=dtype)
-  return shapes({"small": SMALL, "leaf": LEAF}[which], dtype)
+  return shapes({"small": SMALL, "leaf": LEAF, "ragged": RAGGED}[which], dtype)
 
 
 def compile_job(what: str, name: str, which: str, target: str) -> dict:

@@ -341,20 +341,24 @@ def test_chunked_encoding_equals_one_pass(monkeypatch, chunk, shape):
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_in_place_loop_stores_what_the_fresh_buffer_loop_does(monkeypatch, sharded, dtype):
-  """The strided loop a GPU compiles (new codes and scales written over the old ones, each
-  chunk read by the iteration that overwrites it) stores the same state, bit for bit, as
-  the fresh-buffer loop of the CPU and TPU: 4-bit (dithered), 8-bit and fp8 moments, 16
-  chunks, a bf16 gradient widened chunk by chunk, rows sharded over 8 devices."""
+  """The loops a GPU compiles (new codes and scales written over the old ones, each chunk
+  read by the iteration that overwrites it) store the same state, bit for bit, as the
+  fresh-buffer loops of the CPU and TPU: 4-bit (dithered), 8-bit and fp8 moments, strided
+  rows (16 chunks; sharded over 8 devices) and contiguous chunks with a tail (rows of 200,
+  no whole blocks), a bf16 gradient widened chunk by chunk."""
   monkeypatch.setattr(_quant_ops, "CHUNK", 2048)  # 8 rows of 256 a chunk: 16 chunks
   tx = ak.adamw(1e-2, mu_dtype=ak.Quantized("4bit", block_size=64, min_size=0),
                 nu_dtype=ak.Quantized("8bit", block_size=128, min_size=0))
   fp8 = ak.adamw(1e-2, mu_dtype=ak.Quantized("fp8", block_size=64, min_size=0))
   rng = np.random.default_rng(11)
-  params = {"w": jnp.asarray(rng.normal(size=(128, 256)), dtype)}
-  grads = [{"w": jnp.asarray(rng.normal(size=(128, 256)), dtype)} for _ in range(3)]
+  shapes = {"w": (128, 256), "b": (30, 200)}  # "b": two chunks of 2048 and a tail
+  params = {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}
+           for _ in range(3)]
   if sharded:
     mesh = Mesh(np.array(jax.devices()).reshape(8), ("rows",))
-    params, grads = jax.device_put((params, grads), NamedSharding(mesh, P("rows", None)))
+    where = {"w": NamedSharding(mesh, P("rows", None)), "b": NamedSharding(mesh, P())}
+    params, grads = jax.device_put((params, grads), (where, [where] * 3))
 
   def run(opt, gpu: bool):
     monkeypatch.setattr(_backend, "on_gpu", (lambda g, o: g()) if gpu else (lambda g, o: o()))
