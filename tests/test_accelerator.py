@@ -115,7 +115,6 @@ _GPU_HOST = "XLA:GPU fails on the host-compute region's copies (INTERNAL: copy-s
 # Registry entries that do not compile for a target yet: strict xfails with XLA's reason.
 REGISTRY_OPEN = {
     ("adam_offload", "h100"): _GPU_HOST,
-    ("offload_adam_compute", "h100"): _GPU_HOST,
     ("offload_fused_adamax_compute", "h100"): _GPU_HOST,
     ("offload_fused_adam_state", "v5e:2x2"): (
         "XLA:TPU: a dynamic-update-slice of the flat host buffer whose lane slice is no "
