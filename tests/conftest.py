@@ -242,8 +242,10 @@ def pytest_collection_modifyitems(config, items):
 
 # Whole files run by a second pytest process beside this one (the last job of the
 # background lane): their items here wait for its outcome and report it. They are the
-# largest registry products; the rest of the suite runs meanwhile.
-WORKER_FILES = {"test_composition.py", "test_suite.py"}
+# largest registry products and the fused quantized step's file, which balance the two
+# lanes (2026-12-01, jax 0.12: main 34 min, lane 30 before the registry lost nine
+# entries and this file moved over); the rest of the suite runs meanwhile.
+WORKER_FILES = {"test_composition.py", "test_suite.py", "test_fused_quantized.py"}
 WORKER = os.environ.get("ADAMKIT_TEST_WORKER")  # in that second process: its report file
 _REPORTS: dict[str, dict] = {}
 
