@@ -37,6 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import importlib.metadata
+import importlib.util
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -212,5 +216,20 @@ def on_cpu(cpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
 
 def on_gpu(gpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
   """``gpu()`` where the program is compiled for an NVIDIA or AMD GPU, ``other()``
-  elsewhere, as :func:`on_cpu` picks (both traced, same output structure)."""
+  elsewhere, as :func:`on_cpu` picks (same output structure). Both are traced only where
+  this process can compile for a GPU (:func:`gpu_compilable`); elsewhere ``other()``
+  alone, which saves the second trace."""
+  if not gpu_compilable():
+    return other()
   return jax.lax.platform_dependent(cuda=gpu, rocm=gpu, default=other)
+
+
+@functools.cache
+def gpu_compilable() -> bool:
+  """Whether a CUDA or ROCm PJRT plugin is installed: without one JAX cannot lower a
+  program for a GPU, with or without the device (deviceless compiles need it too)."""
+  names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
+  spec = importlib.util.find_spec("jax_plugins")
+  if spec is not None and spec.submodule_search_locations:
+    names += [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]
+  return any(k in name for name in names for k in ("cuda", "rocm"))

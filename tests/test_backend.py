@@ -80,6 +80,48 @@ def test_use_kernel_refuses_what_the_kernel_cannot_take(monkeypatch):
   assert not _backend.use_kernel("kernel", f32, fits=False)
 
 
+@pytest.mark.parametrize("compilable", [False, True])
+def test_gpu_branch_is_traced_only_where_a_gpu_can_be_compiled_for(monkeypatch, compilable):
+  """``on_gpu`` traces its GPU branch only in a process that has a GPU plugin (without one
+  no program can be lowered for a GPU), and the program runs the other branch here."""
+  monkeypatch.setattr(_backend, "gpu_compilable", lambda: compilable)
+  traced = []
+
+  def branch(name, value):
+    def fn():
+      traced.append(name)
+      return jnp.float32(value)
+    return fn
+
+  got = jax.jit(lambda: _backend.on_gpu(branch("gpu", 1.0), branch("other", 2.0)))()
+  assert float(got) == 2.0
+  assert sorted(traced) == (["gpu", "other"] if compilable else ["other"])
+
+
+@pytest.mark.parametrize("plugins,modules,want", [
+    ([], [], False), (["xla_cuda13"], [], True), ([], ["xla_rocm7"], True),
+    (["xla_tpu_like"], ["other"], False)])
+def test_gpu_compilable_reads_the_installed_plugins(monkeypatch, plugins, modules, want):
+  """A CUDA or ROCm plugin by its entry point or its ``jax_plugins`` module."""
+  import importlib.metadata
+  import importlib.util
+  import pkgutil
+  import types
+
+  monkeypatch.setattr(importlib.metadata, "entry_points",
+                      lambda group: [types.SimpleNamespace(name=n) for n in plugins])
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: types.SimpleNamespace(
+      submodule_search_locations=["x"]) if m == "jax_plugins" else real(m, *a))
+  monkeypatch.setattr(pkgutil, "iter_modules",
+                      lambda path: [types.SimpleNamespace(name=n) for n in modules])
+  _backend.gpu_compilable.cache_clear()
+  try:
+    assert _backend.gpu_compilable() is want
+  finally:
+    _backend.gpu_compilable.cache_clear()
+
+
 def test_library_works_without_its_native_backend(tmp_path):
   """Deleting adamkit/_cpu leaves a working pure-JAX library with the same numbers."""
   shutil.copytree(ROOT / "adamkit", tmp_path / "adamkit",
