@@ -333,7 +333,7 @@ def _check_quantized(q, at: int | None, shape: tuple, what: str) -> None:
   """A quantized ``q`` must be stored as its format lays out its shape (codes, scales)
   and hold a leaf of ``shape``: be of that shape (``at=None``) or flat, the leaf from
   element ``at``, a multiple of the block."""
-  expected = jax.eval_shape(lambda: _quant.zeros(q.shape, q.fmt))
+  expected = _quant.stored_layout(q.shape, q.fmt)
   got = (tuple(q.codes.shape), q.codes.dtype, tuple(q.scales.shape), q.scales.dtype)
   want = (expected.codes.shape, expected.codes.dtype, expected.scales.shape,
           expected.scales.dtype)

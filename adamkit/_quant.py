@@ -712,10 +712,20 @@ def zeros(shape: tuple, fmt: Format) -> QuantizedArray:
                   dataclasses.replace(fmt, block_size=bshape[-1]),
                   step=0)  # zeros: every dither gives the code of 0
   code0 = zero.codes.reshape(-1)[0]
-  cshape = bshape[:-1] + ((bshape[-1] + 1) // 2 if fmt.packed else bshape[-1],)
-  codes = jnp.full(cshape, code0, jnp.uint8)
-  scales = jnp.full(bshape[:-1], SCALE_FLOOR, jnp.float32)
+  layout = stored_layout(shape, fmt)
+  codes = jnp.full(layout.codes.shape, code0, jnp.uint8)
+  scales = jnp.full(layout.scales.shape, SCALE_FLOOR, jnp.float32)
   return QuantizedArray(codes, scales, tuple(shape), fmt)
+
+
+def stored_layout(shape: tuple, fmt: Format) -> QuantizedArray:
+  """The codes and scales ``fmt`` stores a leaf of ``shape`` in, as shapes and dtypes
+  (``jax.ShapeDtypeStruct``: what ``jax.eval_shape`` of :func:`zeros` gives, without a
+  trace)."""
+  bshape = blocked_shape(tuple(shape), fmt.block_size)
+  cshape = bshape[:-1] + ((bshape[-1] + 1) // 2 if fmt.packed else bshape[-1],)
+  return QuantizedArray(jax.ShapeDtypeStruct(cshape, jnp.uint8),
+                        jax.ShapeDtypeStruct(bshape[:-1], jnp.float32), tuple(shape), fmt)
 
 
 def init_moment(p: Any, fmt: Any, role: str) -> Any:

@@ -429,7 +429,7 @@ def check_quantized_layout(q: Any, name: str, what: str = "state") -> None:
   """``q``'s codes and scales must be the arrays its format lays out for its shape (uint8
   codes, float32 scales, of the blocked shapes): a ValueError names the field, the leaf and
   both layouts. Shapes and dtypes only: free inside ``jit``."""
-  want = jax.eval_shape(lambda: _quant.zeros(tuple(q.shape), q.fmt))
+  want = _quant.stored_layout(tuple(q.shape), q.fmt)
   for field in ("codes", "scales"):
     have, need = getattr(q, field), getattr(want, field)
     got = (tuple(np.shape(have)), _dtype_name(have))

@@ -351,6 +351,20 @@ def test_4bit_packing_low_nibble_first():
 
 
 @pytest.mark.parametrize("kind,role", KIND_ROLES)
+def test_stored_layout_is_what_quantize_stores(kind, role):
+  """The layout the state checks compare against, computed without a trace, is the one
+  quantize and zeros store: whole blocks, padded ones, 1-D, odd sizes, packed nibbles."""
+  for shape, block in [((6, 4, 512), 128), ((7, 5), 64), ((300,), 64), ((1,), 8),
+                       ((3, 3, 8, 16), 32), ((4096, 4000), 256)]:
+    f = fmt(kind, role, block)
+    want = Q.stored_layout(shape, f)
+    for got in (jax.eval_shape(lambda s=shape, f=f: Q.quantize(jnp.zeros(s), f, step=1)),
+                jax.eval_shape(lambda s=shape, f=f: Q.zeros(s, f))):
+      assert (got.codes.shape, got.codes.dtype, got.scales.shape, got.scales.dtype) == (
+          want.codes.shape, want.codes.dtype, want.scales.shape, want.scales.dtype), shape
+
+
+@pytest.mark.parametrize("kind,role", KIND_ROLES)
 def test_zeros_read_back_zero(kind, role):
   z = Q.zeros((3, 256), fmt(kind, role))
   back = np.asarray(Q.dequantize(z))
