@@ -52,8 +52,6 @@ OPEN: dict[tuple[str, str, str], str] = {
     ("fused_8bit", "v5e:1x1", "leaf"): f"4.28 B/param: {_RELAYOUT}",
     ("8bit", "v5e:2x2", "transformer"): "2.58 B/param",
     ("4bit", "v5e:2x2", "transformer"): "2.96 B/param",
-    ("8bit", "v5e:1x1", "ragged"): f"16.4 B/param: {_RELAYOUT}",
-    ("4bit", "v5e:1x1", "ragged"): f"209 B/param: {_RELAYOUT} (and the 4-bit packing)",
     ("4bit", "v5e:2x2", "ragged"): (
         "68.4 B/param: the 4-bit loop over the flattened leaf all-gathers the row-sharded "
         "gradient and codes"),
@@ -180,10 +178,14 @@ def test_transformer_tree_temporaries(compiled, fmt, target):
 
 
 @pytest.mark.parametrize("fmt,target", [
-    pytest.param(f, t, marks=_open((f, t, "ragged"))) for f in ("8bit", "4bit") for t in TARGETS])
+    pytest.param(f, t, marks=_open((f, t, "ragged")))
+    for f in ("8bit", "4bit") for t in REGISTRY_TARGETS])
 def test_ragged_leaf_temporaries(compiled, fmt, target):
   """The same bound on a 4096x4000 leaf, whose rows are no whole number of blocks (the
-  quantized step cuts it into contiguous chunks of the flattened leaf)."""
+  quantized step cuts it into contiguous chunks of the flattened leaf). Not on one TPU
+  chip: there it fails as the 4096x4096 leaf does, for the same relayout copies, and its
+  two compiles took 117 s of CI (16.4 and 209 B/param with 8-bit and 4-bit moments,
+  compiled on 2026-12-01)."""
   assert _per_param(compiled("format", fmt, "ragged", target)) <= TEMP_BOUND
 
 
