@@ -10,7 +10,9 @@ the step in two, each of which XLA keeps small:
   it fuses into ``optax.apply_updates``' add and is never materialized;
 * the *new* codes and scales in a ``lax.fori_loop`` over chunks of about
   :data:`CHUNK` elements, which decodes, steps and encodes one chunk at a time into
-  fresh output buffers; or, on one CPU device with the compiled kernel, in one kernel
+  fresh output buffers (compiled for a GPU: over the old codes and scales, each chunk
+  read by the iteration that overwrites it); or, on one CPU device with the compiled
+  kernel, in one kernel
   call that does the same block by block (the leaf's step names its moment rows, a
   :class:`MomentRule`, and every moment is "8bit" in blocks of one size).
 
