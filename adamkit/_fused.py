@@ -272,8 +272,9 @@ def _zero_layout(shape: tuple, store) -> Any:
   """:func:`_describe` of the zero moment of a leaf of ``shape`` stored as ``store``
   (what :func:`_zero_moment` and :func:`_flat_buffer` make), without a trace."""
   if isinstance(store, _quant.Format):
-    return _validate.quantized_layout(_quant.stored_layout(tuple(shape), store))
-  return (tuple(shape), jax.dtypes.canonicalize_dtype(store).name)  # float64: x64 only
+    return _describe(_quant.stored_layout(tuple(shape), store))
+  # float64 is float32 unless x64 is on, as jnp.zeros makes it
+  return _describe(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(store)))
 
 
 def _describe(buf) -> Any:

@@ -243,7 +243,7 @@ def _contiguous(moments, g, olds, block: int, count, in_place: bool) -> list:
   block is padded with zeros as :func:`adamkit._quant.quantize` pads it. Written as
   :func:`_strided` writes (``in_place``: each chunk read by :func:`_read` from the buffers
   the loop writes; on an H100 target a 4096x4000 leaf with 8-bit moments keeps 0.03 bytes
-  per parameter of temporaries, against 2.06 in fresh buffers)."""
+  per parameter of temporaries, against 2.06 in fresh buffers, compiled on 2026-12-01)."""
   n = g.size
   size = max(block, CHUNK // block * block)
   flat_g = g.reshape(-1)

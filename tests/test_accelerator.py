@@ -179,7 +179,7 @@ def test_transformer_tree_temporaries(compiled, fmt, target):
 
 @pytest.mark.parametrize("fmt,target", [
     pytest.param(f, t, marks=_open((f, t, "ragged")))
-    for f in ("8bit", "4bit") for t in REGISTRY_TARGETS])
+    for f in ("8bit", "4bit") for t in ("v5e:2x2", "h100")])
 def test_ragged_leaf_temporaries(compiled, fmt, target):
   """The same bound on a 4096x4000 leaf, whose rows are no whole number of blocks (the
   quantized step cuts it into contiguous chunks of the flattened leaf). Not on one TPU
