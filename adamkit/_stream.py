@@ -39,7 +39,11 @@ import numpy as np
 
 from adamkit import _compat, _quant
 
-AUTO_BYTES = 8 * 2**20  # "auto" on a TPU: about 8 MiB of state per call
+AUTO_BYTES = 4 * 2**20  # "auto" on a TPU: about 4 MiB of state per call
+# A float leaf of more than ``chunk_bytes / SCAN_FLOOR`` bytes of state streams in pieces
+# through a ``lax.scan`` of its own (two at least). Smaller leaves share unrolled calls,
+# whose copies XLA's TPU compiler may merge and issue all at once.
+SCAN_FLOOR = 16
 
 
 def check_chunk_bytes(chunk_bytes: Any) -> Any:
@@ -99,12 +103,37 @@ def _row_unit(shape: tuple, leaves) -> int:
   return unit
 
 
-def _even_rows(total: int, rows: int, unit: int) -> int:
+def _even_rows(total: int, rows: int, unit: int) -> int | None:
   """The largest multiple of ``unit`` up to ``rows`` that divides ``total`` (equal pieces,
-  which one ``lax.scan`` streams), or ``rows`` if there is none."""
+  which one ``lax.scan`` streams), or ``None`` if there is none."""
   for r in range(rows - rows % unit, 0, -unit):
     if total % r == 0:
       return r
+  return None
+
+
+def _tile_rows(shape: tuple, leaves) -> int:
+  """Rows per piece that keep a piece on whole TPU tiles of its leaf: a matrix is tiled
+  by (8, 128) 32-bit words (16 rows of bf16, 32 of a byte), a vector by 1024 elements;
+  a piece cut across a tile makes XLA relayout the whole leaf to slice it."""
+  if len(shape) > 2:
+    return 1
+  itemsize = min(np.dtype(getattr(x, "dtype", np.uint8)).itemsize if not _quant.is_qarray(x)
+                 else 1 for x in leaves)
+  return 1024 if len(shape) == 1 else 32 // min(itemsize, 4)
+
+
+def _rows_per_piece(size: int, chunk_bytes: int, shape: tuple, mine) -> int:
+  """Rows per piece of a leaf cut into (at least two) pieces of at most about
+  ``chunk_bytes`` of state: equal pieces on whole tiles where the rows allow it, else
+  equal pieces, else pieces of that size and a shorter last one."""
+  unit = _row_unit(shape, mine)
+  pieces = max(2, -(-size // chunk_bytes))  # even: no small tail below a format's min_size
+  rows = max(unit, -(-shape[0] // pieces // unit) * unit)
+  for u in (math.lcm(unit, _tile_rows(shape, mine)), unit):
+    even = _even_rows(shape[0], rows, u) if u <= rows else None
+    if even is not None:
+      return even
   return rows
 
 
@@ -124,17 +153,15 @@ def plan(params_flat, state_flat, own, chunk_bytes: int) -> list[list[Piece]]:
     size = sum(_nbytes(s) for s in mine)
     if not shape or not mine or not shape[0]:
       continue
-    if size <= chunk_bytes:
+    quantized = any(map(_quant.is_qarray, mine))
+    if size <= chunk_bytes and (quantized or shape[0] < 2 or size <= chunk_bytes // SCAN_FLOOR):
       if used + size > chunk_bytes and current:
         calls.append(current)
         current, used = [], 0
       current.append(Piece(i, 0, shape[0]))
       used += size
       continue
-    unit = _row_unit(shape, mine)
-    pieces = -(-size // chunk_bytes)  # even pieces: no small tail below a format's min_size
-    rows = max(unit, -(-shape[0] // pieces // unit) * unit)
-    rows = _even_rows(shape[0], rows, unit)
+    rows = _rows_per_piece(size, chunk_bytes, shape, mine)
     calls.extend([Piece(i, a, min(a + rows, shape[0]))] for a in range(0, shape[0], rows))
   if current:
     calls.append(current)
@@ -503,12 +530,14 @@ def _to_host_rows(q) -> Any:
 
 
 def scan_group(update: Callable, problem: Problem, ks: list, values, states: list,
-               extra: dict) -> tuple:
+               extra: dict, apply: bool = False) -> tuple:
   """The calls ``ks`` (the equal pieces of one leaf) as one ``lax.scan``: each iteration
   brings one piece's state rows down, updates them and sends them up, so XLA keeps one
   iteration's buffers (and the next one's copies) in device memory.
 
-  Returns the leaf's update, ``{state leaf: new leaf}`` and the new 0-d state leaves."""
+  Returns the leaf's update (``apply``: its new param, written piece by piece over the old
+  one, which the loop carries: no whole update is ever held), ``{state leaf: new leaf}``
+  and the new 0-d state leaves with the 0-d leaves' updates."""
   call = problem.calls[ks[0]]
   i, m = call[0].leaf, len(ks)
   rows = call[0].stop - call[0].start
@@ -516,11 +545,14 @@ def scan_group(update: Callable, problem: Problem, ks: list, values, states: lis
   js = [j for j, o in enumerate(problem.own) if o == i]
   g = problem.g_flat[i].reshape(m, rows, *problem.g_flat[i].shape[1:])
   p = None if problem.p_flat is None else problem.p_flat[i].reshape(g.shape)
-  xs = (g, p, [_stacked(states[j], m) for j in js], values)
+  xs = (g, None if apply else p, [_stacked(states[j], m) for j in js], values,
+        jnp.arange(m))
   piece = [Piece(i, 0, rows)]
 
   def body(carry, x):
-    g_k, p_k, s_k, v = x
+    g_k, p_k, s_k, v, k = x
+    if apply:
+      p_k = jax.lax.dynamic_index_in_dim(carry, k, keepdims=False)
     sub = dataclasses.replace(problem, g_flat=_swap(problem.g_flat, i, g_k),
                               p_flat=None if p_k is None else _swap(problem.p_flat, i, p_k))
     pieces = dict(zip(js, s_k))
@@ -528,12 +560,21 @@ def scan_group(update: Callable, problem: Problem, ks: list, values, states: lis
     u, new = run_call(update, sub, piece, slot, v, rows_of, extra)
     out = [_to_host_rows(trim(new[j], rows)) for j in js]
     zero_d = {n: u[n] for n, g_n in enumerate(problem.g_flat) if np.ndim(g_n) == 0}
+    if apply:
+      carry = jax.lax.dynamic_update_index_in_dim(carry, add(p_k, u[i][:rows]), k, 0)
+      return carry, (out, (new_scalars(problem, new), zero_d))
     return carry, (u[i][:rows], out, (new_scalars(problem, new), zero_d))
 
-  _, (u, out, firsts) = jax.lax.scan(body, 0, xs)
+  carry, ys = jax.lax.scan(body, p if apply else 0, xs)
+  u, (out, firsts) = (carry, ys) if apply else (ys[0], ys[1:])
   new = {j: _unstacked(y, states[j]) for j, y in zip(js, out)}
   scalars, zero_d = jax.tree.map(lambda x: x[0], firsts)
   return {**zero_d, i: u.reshape(problem.g_flat[i].shape)}, new, scalars
+
+
+def add(p, u):
+  """``p + u`` in ``p``'s dtype: ``optax.apply_updates`` of one leaf."""
+  return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
 
 def _swap(leaves: list, i: int, x) -> list:
@@ -542,17 +583,23 @@ def _swap(leaves: list, i: int, x) -> list:
   return out
 
 
-def step_state(update: Callable, problem: Problem, extra: dict):
+def step_state(update: Callable, problem: Problem, extra: dict, apply: bool = False):
   """``mode="state"``: each call's state rows come down, are updated on the device, and
-  go back up; the device holds one call's rows (and XLA's copies in flight)."""
+  go back up; the device holds one call's rows (and XLA's copies in flight).
+
+  Returns ``(updates, state)``, or with ``apply`` ``(params, state)``: each call's update
+  is added to its param rows at once, written over the (donated) params, so the step never
+  holds a whole update (4 bytes per float32 parameter) in device memory."""
   sums, finite = piece_stats(problem)
   states = [s if o == -1 else _host_typed(s) for s, o in zip(problem.s_flat, problem.own)]
   per_call, scalars, rows, sent, whole_u = [], None, {}, [], {}
   for ks in scan_groups(problem):
     if len(ks) > 1 and _covers(problem, ks):
       values = jnp.stack([phantom_value(sums, finite, k) for k in ks])
-      u, new, sc = scan_group(update, problem, ks, values, states, extra)
+      u, new, sc = scan_group(update, problem, ks, values, states, extra, apply)
       whole_u = {**u, **whole_u}  # 0-d leaves: the first group's
+      if apply:
+        problem = _with_param(problem, ks, u)
       states = [new.get(j, x) for j, x in enumerate(states)]
       scalars = sc if scalars is None else scalars
       sent.extend([None] * len(ks))
@@ -561,11 +608,35 @@ def step_state(update: Callable, problem: Problem, extra: dict):
       call = problem.calls[k]
       u, new = _unrolled(update, problem, k, sums, finite, states, sent, extra)
       per_call.append((call, u))
+      if apply:
+        problem = _applied(problem, call, u)
       scalars = new_scalars(problem, new) if scalars is None else scalars
       sent.append(_collect(problem, call, new, rows))
   for j, pieces in rows.items():
     states[j] = _host_concat(pieces)
-  return _finish(problem, per_call, states, scalars, whole_u)
+  updates, state = _finish(problem, per_call, states, scalars, whole_u)
+  if not apply:
+    return updates, state
+  zero_d = problem.g_def.flatten_up_to(updates)
+  params = [add(p, u) if np.ndim(p) == 0 else p for p, u in zip(problem.p_flat, zero_d)]
+  return problem.g_def.unflatten(params), state
+
+
+def _with_param(problem: Problem, ks: list, new_leaves: dict) -> Problem:
+  """``problem`` with the scanned leaf's new param (the calls after it read it)."""
+  i = problem.calls[ks[0]][0].leaf
+  return dataclasses.replace(problem, p_flat=_swap(problem.p_flat, i, new_leaves[i]))
+
+
+def _applied(problem: Problem, call: list[Piece], u: list) -> Problem:
+  """``problem`` with the call's update added to its param rows, each written over the
+  old rows (``dynamic_update_slice``: in place where the params are donated)."""
+  p_flat = list(problem.p_flat)
+  for pc in call:
+    old = jax.lax.slice_in_dim(p_flat[pc.leaf], pc.start, pc.stop, axis=0)
+    new = add(old, u[pc.leaf][:pc.stop - pc.start])
+    p_flat[pc.leaf] = jax.lax.dynamic_update_slice_in_dim(p_flat[pc.leaf], new, pc.start, 0)
+  return dataclasses.replace(problem, p_flat=p_flat)
 
 
 def _covers(problem: Problem, ks: list) -> bool:

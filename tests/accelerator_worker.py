@@ -8,10 +8,9 @@ compiled for each target and the CPU kernels must appear on "cpu" only.
 
 Usage: ``python accelerator_worker.py JOBS.json OUT.json``; a job is ``[what, name, tree,
 target]`` (``what``: "registry" for ``tests/registry.py``'s entries, "format" for
-:data:`FORMATS`, "offload" for a format's ``ak.offload``, named "FORMAT:CHUNK_BYTES" in
-``mode="state"`` or "FORMAT:compute"); the output maps each job (joined by "|") to its
-figures, its CPU custom calls, its state's bytes and its compile's seconds, or to
-``{"skip": why}`` / ``{"error": why}``.
+:data:`FORMATS`, "offload" for a format's ``ak.offload``, named as :func:`offloaded`
+says); the output maps each job (joined by "|") to its figures, its CPU custom calls, its
+state's bytes and its compile's seconds, or to ``{"skip": why}`` / ``{"error": why}``.
 """
 
 import os
@@ -72,18 +71,28 @@ def tree(which: str, dtype) -> dict:
   return shapes({"small": SMALL, "leaf": LEAF, "ragged": RAGGED}[which], dtype)
 
 
+def offloaded(name: str) -> tuple:
+  """``"FORMAT:CHUNK_BYTES"`` (``"none"``: None) or ``"FORMAT:compute"``: the format's
+  ``ak.offload`` (its one-pass ``step`` is what compiles); with a ``":update"`` suffix its
+  optax form, ``update`` + ``optax.apply_updates``."""
+  fmt, chunk, *form = name.split(":")
+  factory, dtype = FORMATS[fmt]
+  if chunk == "compute":
+    tx = ak.offload(factory(), mode="compute")
+  else:
+    chunk_bytes = None if chunk == "none" else chunk if chunk == "auto" else int(chunk)
+    tx = ak.offload(factory(), mode="state", chunk_bytes=chunk_bytes)
+  if form == ["update"]:
+    tx = optax.GradientTransformationExtraArgs(tx.init, tx.update)
+  return tx, dtype
+
+
 def compile_job(what: str, name: str, which: str, target: str) -> dict:
   if what == "registry":
     from registry import REGISTRY  # noqa: PLC0415 - tests/ is on the path only here
     tx, dtype = REGISTRY[name](1e-3), jnp.float32
-  elif what == "offload":  # name: "FORMAT:CHUNK_BYTES" ("none": None), or "FORMAT:compute"
-    fmt, chunk = name.split(":")
-    factory, dtype = FORMATS[fmt]
-    if chunk == "compute":
-      tx = ak.offload(factory(), mode="compute")
-    else:
-      chunk_bytes = None if chunk == "none" else chunk if chunk == "auto" else int(chunk)
-      tx = ak.offload(factory(), mode="state", chunk_bytes=chunk_bytes)
+  elif what == "offload":
+    tx, dtype = offloaded(name)
   else:
     factory, dtype = FORMATS[name]
     tx = factory()

@@ -72,8 +72,7 @@ def _jobs(item) -> list[tuple]:
           ("format", p["fmt"], "transformer", p["target"])],
       "test_ragged_leaf_temporaries": lambda: [("format", p["fmt"], "ragged", p["target"])],
       "test_docs_device_table": lambda: [("format", f, "leaf", t) for f, t in DOC_CELLS],
-      "test_docs_offload_rows": lambda: [(*job, "leaf", "v5e:1x1")
-                                         for job in OFFLOAD_ROWS.values()],
+      "test_docs_offload_rows": _offload_row_jobs,
       "test_offload_default_stages_whole_where_streaming_fails": lambda: [
           ("offload", f"{p['fmt']}:{c}", "leaf", p["target"]) for c in ("auto", "none")],
       "test_tpu_bytes_accessed_against_optax": lambda: [
@@ -241,29 +240,39 @@ def test_docs_device_table(compiled):
 OFFLOAD_DOCS = DOCS.with_name("offload.md")
 OFFLOAD_ROWS = {  # docs/offload.md's rows of the 4096x4096 leaf -> the job compiling them
     "4096x4096 f32, no offload": ("format", "float32"),
-    '4096x4096 f32, `mode="state"` (default: 8 MiB calls)': ("offload", "float32:auto"),
+    '4096x4096 f32, `mode="state"` (default: 4 MiB calls)': ("offload", "float32:auto"),
     '4096x4096 f32, `mode="state", chunk_bytes=None`': ("offload", "float32:none"),
     '4096x4096 f32, `mode="compute"`': ("offload", "float32:compute"),
     "4096x4096 8-bit, no offload": ("format", "8bit"),
     '4096x4096 8-bit, `mode="state"` (default: staged whole)': ("offload", "8bit:auto"),
-    '4096x4096 8-bit, `mode="state", chunk_bytes=8 MiB`': ("offload", "8bit:8388608"),
+    '4096x4096 8-bit, `mode="state", chunk_bytes=4 MiB`': ("offload", "8bit:4194304"),
     "4096x4096 4-bit, no offload": ("format", "4bit"),
     '4096x4096 4-bit, `mode="state"` (default: staged whole)': ("offload", "4bit:auto"),
 }
 
 
+def _offload_row_jobs() -> list[tuple]:
+  """Each row's step (an offloaded transform's one-pass ``step``) and its optax form."""
+  jobs = [(what, name, "leaf", "v5e:1x1") for what, name in OFFLOAD_ROWS.values()]
+  return jobs + [(what, f"{name}:update", "leaf", "v5e:1x1")
+                 for what, name in OFFLOAD_ROWS.values() if what == "offload"]
+
+
 def test_docs_offload_rows(compiled):
-  """docs/offload.md's device temporaries and peaks of the 4096x4096 leaf on a TPU chip are
-  the compiled programs' (the rows' last two columns, in MiB)."""
+  """docs/offload.md's device temporaries (``update`` + ``optax.apply_updates``; the
+  one-pass ``step``) and the step's peak for the 4096x4096 leaf on a TPU chip are the
+  compiled programs' (the rows' last three columns, in MiB)."""
   rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]]
           for line in OFFLOAD_DOCS.read_text().splitlines() if line.startswith("| 4096x4096")
           for cells in [line.split("|")]}
   assert set(rows) == set(OFFLOAD_ROWS), set(rows) ^ set(OFFLOAD_ROWS)
   mib = lambda b: "0" if b == 0 else f"{b / 2**20:.1f} MiB"  # noqa: E731
   for label, (what, name) in OFFLOAD_ROWS.items():
-    r = compiled(what, name, "leaf", "v5e:1x1")
-    f = _targets.Figures(**r["figures"])
-    assert rows[label][-2:] == [mib(f.temporaries), mib(f.peak)], (label, r)
+    step = _targets.Figures(**compiled(what, name, "leaf", "v5e:1x1")["figures"])
+    update = step if what == "format" else _targets.Figures(
+        **compiled(what, f"{name}:update", "leaf", "v5e:1x1")["figures"])
+    assert rows[label][-3:] == [mib(update.temporaries), mib(step.temporaries),
+                                mib(step.peak)], (label, update, step)
 
 
 # ------------------------------------------------------------------ memory_report and errors
