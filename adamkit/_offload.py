@@ -523,8 +523,10 @@ def _host_init(init, mode: str, memory_kind: str):
                                      jax.tree.leaves(state, is_leaf=_quant.is_qarray))):
       raise ValueError(
           "ak.offload(mode='compute') cannot step quantized moments (mu_dtype/nu_dtype "
-          "'8bit', '4bit', 'fp8'): JAX 0.10 cannot trace their code-book lookups on "
-          "host-resident arrays. Use mode='state' (the default of ak.offload, and of "
+          "'8bit', '4bit', 'fp8'): inside a host computation JAX (0.10 to 0.12) types the "
+          "arrays their codec makes (constants, the branches of its selects) as device "
+          "memory, and refuses to mix them with the host-resident codes. Use mode='state' "
+          "(the default of ak.offload, and of "
           "ak.adam_offload with a quantized format): the codes and scales still live in "
           "host memory between steps, a quarter of the float32 state's traffic.")
     if devices is None:  # traced init: keep the layout the compiler picks, in host memory

@@ -46,9 +46,13 @@ def loss_fn(params, x):
   return jnp.mean(x * x)
 
 
-def make_step(tx):
+def make_step(tx, one_pass=False):
+  """The jitted training step: ``update`` + ``optax.apply_updates``, or (``one_pass``) the
+  offloaded transform's ``step``, which adds each streamed call's update to its rows."""
   def step(params, state, x):
     grads = jax.grad(loss_fn)(params, x)
+    if one_pass:
+      return tx.step(params, state, grads=grads)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
   return jax.jit(step, donate_argnums=(0, 1))
@@ -62,12 +66,12 @@ def nbytes(tree, kind=None):
 class Case:
   """One optimizer: its compiled step, live params/state, and its step times."""
 
-  def __init__(self, name, tx, width, layers, batch):
+  def __init__(self, name, tx, width, layers, batch, one_pass=False):
     self.name = name
     self.params = make_params(width, layers)
     self.x = jax.random.normal(jax.random.key(1), (batch, width), jnp.float32)
     self.state = tx.init(self.params)
-    self.compiled = make_step(tx).lower(self.params, self.state, self.x).compile()
+    self.compiled = make_step(tx, one_pass).lower(self.params, self.state, self.x).compile()
     self.mem = self.compiled.memory_analysis()
     self.times = []
 
@@ -112,7 +116,10 @@ def main():
   streamed = f"offload mode='state' chunk_bytes={a.chunk_bytes}"
   if a.chunk_bytes:
     cases.append((streamed, ak.offload(adam(), mode="state", chunk_bytes=a.chunk_bytes)))
-  cases = [Case(name, tx, a.width, a.layers, a.batch) for name, tx in cases]
+    cases.append((streamed + ", step",
+                  ak.offload(adam(), mode="state", chunk_bytes=a.chunk_bytes)))
+  cases = [Case(name, tx, a.width, a.layers, a.batch, one_pass=name.endswith(", step"))
+           for name, tx in cases]
   for c in cases:  # warm-up: first touch of every buffer
     c.step(record=False)
     c.step(record=False)
@@ -122,7 +129,7 @@ def main():
   rows = [c.row() for c in cases]
   n = rows[0]["n"]
   moved = {"no offload": 0, "offload mode='state'": 32 * n, "offload mode='compute'": 8 * n,
-           streamed: 32 * n}
+           streamed: 32 * n, streamed + ", step": 32 * n}
   base = rows[0]["median"]
   dev = jax.devices()[0]
   print(f"\nak.offload benchmark: {n / 1e6:.1f}M float32 params, ak.adam, batch {a.batch}, "

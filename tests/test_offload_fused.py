@@ -97,8 +97,9 @@ def test_trajectory_and_placement(case, mode, backend, request):
 def test_quantized_moments_offloaded(mode, backend, multi_tensor, request):
   """8-bit moments (issue 19): with mode="state" codes and scales live in host memory, and
   the trajectory is the one without offload bit for bit; mode="compute" refuses them,
-  naming mode="state" (JAX cannot trace the XLA decode's code-book lookups on host
-  arrays, and one rule for both backends keeps the choice of backend invisible)."""
+  naming mode="state" (JAX types the arrays the XLA codec makes inside a host computation
+  as device memory, and one rule for both backends keeps the choice of backend
+  invisible)."""
   if backend == "kernel":
     request.getfixturevalue("kernel")
   q = ak.Quantized("8bit", block_size=16, min_size=0)
