@@ -57,12 +57,12 @@ def trajectory(tx, steps=3, grads=grads_at):
   return params, state
 
 
-def step_trajectory(tx, steps=3):
+def step_trajectory(tx, steps=3, grads=grads_at):
   """``trajectory`` through the offloaded transform's one-pass ``step``, jitted as users
   jit it: params and state donated."""
   params = make_params()
   state = tx.init(params)
-  step = jax.jit(lambda p, s, t: tx.step(p, s, grads=grads_at(p, t)), donate_argnums=(0, 1))
+  step = jax.jit(lambda p, s, t: tx.step(p, s, grads=grads(p, t)), donate_argnums=(0, 1))
   for t in range(steps):
     params, state = step(params, state, jnp.float32(t))
   return params, state
@@ -158,6 +158,8 @@ def test_global_statistics_and_wrappers_stream_exactly(make):
   want_p, _ = trajectory(make(), steps=4)
   got_p, _ = trajectory(ak.offload(make(), mode="state", chunk_bytes=4096), steps=4)
   assert_close(got_p, want_p, 1e-6)
+  got_p, _ = step_trajectory(ak.offload(make(), mode="state", chunk_bytes=4096), steps=4)
+  assert_close(got_p, want_p, 1e-6)  # the one-pass step: each call's rows applied at once
 
 
 @needs_host
@@ -194,6 +196,8 @@ def test_nonfinite_skip_skips_every_call():
   make = lambda: ak.adam(0.05, nonfinite="skip")  # noqa: E731
   want_p, _ = trajectory(make(), grads=grads)
   got_p, _ = trajectory(ak.offload(make(), mode="state", chunk_bytes=4096), grads=grads)
+  assert_close(got_p, want_p, 1e-6)
+  got_p, _ = step_trajectory(ak.offload(make(), mode="state", chunk_bytes=4096), grads=grads)
   assert_close(got_p, want_p, 1e-6)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got_p))
 
