@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend
+import numpy as np
 from jax.experimental import compute_on as _compute_on_mod
 
 try:  # jax <= 0.11; removed in jax 0.12
@@ -109,3 +111,40 @@ def tie_sharding(new: Any, old: Any) -> Any:
   if sharding is None or getattr(sharding, "memory_kind", None) not in (None, "device"):
     return new
   return jax.lax.with_sharding_constraint(new, sharding)
+
+
+# ------------------------------------------------------- the devices a program is lowered for
+
+
+def _devices_index_lowering(ctx, *, counts):
+  """A constant: the index of the first of ``counts`` (device counts, ascending) not below
+  the number of devices the program is lowered for (its partitioner's context; inside a
+  ``shard_map`` or any other manual context: the last)."""
+  from jax.interpreters import mlir  # noqa: PLC0415 - jax.interpreters loads lazily
+
+  n = getattr(ctx.module_context.axis_context, "num_devices", None)
+  index = len(counts) if n is None else next(
+      (i for i, c in enumerate(counts) if n <= c), len(counts))
+  return [mlir.ir_constant(np.int32(index))]
+
+
+def _devices_index_primitive():
+  from jax.interpreters import mlir  # noqa: PLC0415
+
+  p = jax.extend.core.Primitive("adamkit_devices_index")
+  p.def_abstract_eval(lambda **_: jax.core.ShapedArray((), np.int32))
+  p.def_impl(lambda *, counts: np.int32(len(counts)))  # outside a program: the last
+  mlir.register_lowering(p, _devices_index_lowering)
+  return p
+
+
+_DEVICES_INDEX = _devices_index_primitive()
+
+
+def one_device(single: Callable[[], Any], many: Callable[[], Any]) -> Any:
+  """``single()`` where the program is lowered for one device, else ``many()``; both are
+  traced, and the choice is a constant of the lowering that XLA folds (as
+  ``jax.lax.platform_dependent`` is for the platform). Inside ``jit`` a traced array of
+  an ``Auto`` mesh carries no sharding, so the device count is known only here."""
+  index = _DEVICES_INDEX.bind(counts=(1,))
+  return jax.lax.switch(index, [single, many])

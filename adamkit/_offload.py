@@ -16,6 +16,7 @@ new params rather than an update.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -604,9 +605,11 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
   for the step: compiled for a TPU v5e chip (XLA's deviceless compile-time figures, not a
   measurement on hardware), one 2048x2048 float32 AdamW leaf (32 MiB of state) takes
   64.2 MiB of device temporaries in ``"state"`` mode with ``chunk_bytes=None`` and
-  48.2 MiB in ``"compute"`` mode, against 0 without offload. ``chunk_bytes`` (``"state"``
-  mode) streams it in calls and lowers that figure: 4.7 MiB with the default ``"auto"``
-  (4 MiB calls on a TPU), 1.8 MiB in 1 MiB calls. Inside a TPU or GPU program the host
+  48.2 MiB in ``"compute"`` mode, against 0 without offload. ``chunk_bytes`` streams it
+  in calls and lowers that figure: in ``"state"`` mode 4.7 MiB with the default
+  ``"auto"`` (4 MiB calls on one TPU chip), 1.8 MiB in 1 MiB calls. In ``"compute"`` mode
+  each call runs on the host: its gradient (and param) rows go down, its update rows come
+  back, and the state rows never leave host memory. Inside a TPU or GPU program the host
   computation is XLA's own (an XLA:CPU FFI kernel cannot be called there).
 
   The result is a :class:`adamkit.FusedStep`: besides ``update`` (the optax form, which
@@ -662,17 +665,18 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
       trace time naming ``mode="state"``).
     memory_kind: the host memory kind for the state: ``"pinned_host"``.
     chunk_bytes: ``"auto"`` (the default; before this release ``None``), an int, or
-      ``None`` (the state is staged whole). An int (``"state"`` mode of a transform
-      only): the state is streamed through the device in calls of about this many bytes
-      of state, a large leaf in runs of rows, one ``lax.scan`` (see
+      ``None`` (the state is staged whole). An int (a transform, either mode): the state
+      is streamed in calls of about this many bytes of state, a float leaf of more than
+      a sixteenth of that in equal runs of rows by one ``lax.scan`` (see
       ``adamkit/_stream.py`` for what stays exact, and the offload guide for the device
-      figures per format). ``"auto"``: 4 MiB where a ``"state"`` step is compiled for a
-      TPU; whole (``None``) on a CPU (host and device memory are one RAM), on a GPU (XLA
-      does not compile the streamed step for a GPU target yet), for quantized moments
-      (XLA:TPU does not compile all their streamed steps yet: 4-bit ones, 8-bit ones of a
-      transformer-shaped tree; an int streams those that compile), in ``"compute"`` mode
-      and for a :class:`adamkit.FusedStep` (neither streams yet; an int there is
-      refused).
+      figures per format). ``"auto"``: 4 MiB where the step is compiled for one TPU chip;
+      whole (``None``) on a CPU (host and device memory are one RAM), on a GPU (XLA does
+      not compile the streamed step for a GPU target yet), on a mesh (the pieces of a
+      sharded leaf are each one device's, and XLA's partitioner moves them: more device
+      memory than staging whole), for quantized moments (XLA:TPU does not compile all
+      their streamed steps yet: 4-bit ones, 8-bit ones of a transformer-shaped tree; an
+      int streams those that compile) and for a :class:`adamkit.FusedStep` (its one-pass
+      kernel is not cut; an int there is refused).
 
   Returns:
     A :class:`adamkit.FusedStep` (an ``optax.GradientTransformationExtraArgs`` with a
@@ -748,8 +752,6 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
   _check_streams(tx, mode, chunk_bytes)
   if isinstance(tx, FusedStep):
     return _offload_fused(tx, mode, memory_kind)
-  if mode == "compute":
-    chunk_bytes = None  # "auto": one host computation of the whole update
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError("`tx` must be an optax GradientTransformation or an adamkit FusedStep, "
                     f"got {type(tx).__name__}.")
@@ -763,7 +765,7 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
           inner, updates, state, params, extra)
       out = whole(inner, updates, state, params, extra) if out is None else out
       return (_sparse.apply_updates(params, out[0]), out[1]) if apply else out
-    return _maybe_streamed(inner, whole, chunk_bytes, updates, state, params, extra, apply)
+    return _maybe_streamed(inner, mode, chunk_bytes, updates, state, params, extra, apply)
 
   def update_fn(updates, state, params=None, **extra):
     return run(updates, state, params, extra, apply=False)
@@ -775,15 +777,11 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
 
 
 def _check_streams(tx, mode: str, chunk_bytes: Any) -> None:
-  """An explicit ``chunk_bytes`` only where the state streams: ``mode="state"`` of a
-  transform (not of a :class:`adamkit.FusedStep`, whose one-pass step is not cut)."""
+  """An explicit ``chunk_bytes`` only where the state streams: a transform (not a
+  :class:`adamkit.FusedStep`, whose one-pass step is not cut), in either mode."""
+  del mode
   if chunk_bytes in (None, "auto"):
     return
-  if mode == "compute":
-    raise ValueError(
-        f"`chunk_bytes`={chunk_bytes!r} streams the state, which only mode='state' does so "
-        "far; mode='compute' takes chunk_bytes='auto' (the default) or None: one host "
-        "computation of the whole update.")
   if isinstance(tx, FusedStep):
     raise ValueError(
         f"`chunk_bytes`={chunk_bytes!r}: an offloaded FusedStep (ak.fused_adam, "
@@ -817,17 +815,29 @@ def _whole_compute_step(inner, updates, state, params, extra):
     return fn(updates, state, params, extra)
 
 
-def _maybe_streamed(inner, whole, chunk_bytes, updates, state, params, extra, apply=False):
+def _maybe_streamed(inner, mode, chunk_bytes, updates, state, params, extra, apply=False):
   """The step streamed in calls of ``chunk_bytes`` (``"auto"``: by the platform the step
   is compiled for, :func:`_auto_chunk_bytes`), or whole where streaming does not apply
   (``None``; a state leaf that mirrors no param; one call would hold it all). ``apply``:
-  returns ``(params, state)``, the streamed step adding each call's update to its rows."""
+  returns ``(params, state)``, the streamed step adding each call's update to its rows.
+  In ``mode="compute"`` each call is computed on the host (its state rows never leave
+  it)."""
+  whole = _whole_state_step if mode == "state" else _whole_compute_step
+
   def with_bytes(nbytes):
     problem = None if nbytes is None else _stream.structure(updates, state, params, nbytes, inner.init)
-    if problem is not None:
+    if problem is None:
+      out = whole(inner, updates, state, params, extra)
+      return (_sparse.apply_updates(params, out[0]), out[1]) if apply else out
+    if mode == "state":
       return _stream.step_state(inner.update, problem, extra, apply)
-    out = whole(inner, updates, state, params, extra)
-    return (_sparse.apply_updates(params, out[0]), out[1]) if apply else out
+    host = _compat.HOST
+    reads = params is not None and _reads_params(
+        lambda u, s, p, e: inner.update(u, s, p, **e), *jax.device_put(
+            (updates, state, params, extra), host))
+    problem = dataclasses.replace(problem, host=True, send_params=reads)
+    with _explain_host_tracing():
+      return _stream.step_state(inner.update, problem, extra, apply)
 
   if chunk_bytes != "auto":
     return with_bytes(chunk_bytes)
@@ -836,23 +846,27 @@ def _maybe_streamed(inner, whole, chunk_bytes, updates, state, params, extra, ap
 
 def _auto_chunk_bytes(updates, state, params, init, with_bytes):
   """``chunk_bytes="auto"``: about 4 MiB per call where the step of a state with no
-  quantized moments is compiled for a TPU; the whole state at once elsewhere. On a CPU
-  host and device memory are one RAM. XLA (jax 0.12) does not compile the streamed step
-  for a GPU target (its host copies: "INTERNAL: Copy-start ... has host memory space on
-  both sides"), nor for a TPU where quantized codes stream beside other leaves (an
-  async host call's shapes: 4-bit moments, 8-bit ones of a transformer-shaped tree).
-  Concrete arrays tell their platform; inside ``jit`` both steps are traced and
-  ``jax.lax.platform_dependent`` keeps the one of the platform the step is compiled for
-  (a deviceless TPU compile from a CPU process included)."""
+  quantized moments is compiled for one TPU chip; the whole state at once elsewhere. On a
+  CPU host and device memory are one RAM. XLA (jax 0.12) does not compile the streamed
+  step for a GPU target (its host copies: "INTERNAL: Copy-start ... has host memory space
+  on both sides"), nor for a TPU where quantized codes stream beside other leaves (an
+  async host call's shapes: 4-bit moments, 8-bit ones of a transformer-shaped tree). On a
+  mesh the pieces of a sharded leaf are each one device's, which XLA's partitioner moves
+  between devices: more device memory than the whole state (docs/offload.md).
+  Concrete arrays tell their devices; inside ``jit`` the steps are traced and
+  ``jax.lax.platform_dependent`` and :func:`adamkit._compat.one_device` keep the one of
+  the program's platform and device count (a deviceless compile included)."""
   if any(map(_quant.is_qarray, jax.tree.leaves(state, is_leaf=_quant.is_qarray))):
     return with_bytes(None)
   devices = _concrete_devices((updates, params))
   if devices is not None:
-    return with_bytes(_stream.AUTO_BYTES if devices[0].platform == "tpu" else None)
+    one_tpu = len(devices) == 1 and devices[0].platform == "tpu"
+    return with_bytes(_stream.AUTO_BYTES if one_tpu else None)
   if _stream.structure(updates, state, params, _stream.AUTO_BYTES, init) is None:
     return with_bytes(None)  # nothing to stream: one trace
-  return jax.lax.platform_dependent(tpu=lambda: with_bytes(_stream.AUTO_BYTES),
-                                    default=lambda: with_bytes(None))
+  streamed = lambda: _compat.one_device(lambda: with_bytes(_stream.AUTO_BYTES),  # noqa: E731
+                                        lambda: with_bytes(None))
+  return jax.lax.platform_dependent(tpu=streamed, default=lambda: with_bytes(None))
 
 
 def _check_state_memory(state, memory_kind: str) -> None:

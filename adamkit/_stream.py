@@ -239,6 +239,8 @@ class Problem:
   own: list
   calls: list
   init: Callable | None = None
+  host: bool = False  # mode="compute": each call computed on the host
+  send_params: bool = True  # host calls: whether the update reads the params
 
   def templates(self, call, slot) -> list:
     """The state leaves ``init`` gives the call's shapes (abstract): what each stand-in
@@ -330,10 +332,23 @@ def call_state(problem: Problem, call, slot, rows_of: Callable) -> list:
       out.append(s)
     elif o in held:
       rows = rows_of(j, held[o])
-      out.append(rows if o != slot else concat_rows(rows, blank(_rows(t, 1))))
+      if o == slot and problem.host:  # joined in the host computation (_host_call)
+        out.append(Phantom(rows, jax.device_put(blank(_rows(t, 1)), HOST)))
+      else:
+        out.append(rows if o != slot else concat_rows(rows, blank(_rows(t, 1))))
     else:
       out.append(blank(t))
   return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Phantom:
+  """A host-resident state leaf's rows and its phantom row (zeros), to be joined in the
+  host computation: joined outside it, they would mix memory spaces."""
+
+  rows: Any
+  row: Any
 
 
 def run_call(inner_update: Callable, problem: Problem, call, slot, value, rows_of, extra):
@@ -342,9 +357,32 @@ def run_call(inner_update: Callable, problem: Problem, call, slot, value, rows_o
   g = problem.g_def.unflatten(call_grads(problem, call, slot, value))
   p = None if problem.p_flat is None else problem.g_def.unflatten(
       call_params(problem, call, slot))
-  s = problem.s_def.unflatten(call_state(problem, call, slot, rows_of))
-  u, new_s = inner_update(g, s, p, **extra)
+  s = call_state(problem, call, slot, rows_of)
+  if problem.host:
+    u, new_s = _host_call(inner_update, problem, call, (g, s, p), extra)
+  else:
+    u, new_s = inner_update(g, problem.s_def.unflatten(s), p, **extra)
   return problem.g_def.flatten_up_to(u), problem.s_def.flatten_up_to(new_s)
+
+
+def _host_call(inner_update: Callable, problem: Problem, call, args, extra):
+  """``mode="compute"``: the call's update computed on the host. Its gradient (and param)
+  rows go down, the update rows come up; its state rows stay on the host, phantom row
+  dropped there."""
+  held = {pc.leaf: pc.stop - pc.start for pc in call}
+  g, s, p = args  # s: call_state's flat leaves
+  spaces = problem.s_def.unflatten([HOST if o != -1 else DEVICE for o in problem.own])
+
+  def host(g, s, p, extra):
+    s = [concat_rows(x.rows, x.row) if isinstance(x, Phantom) else x for x in s]
+    u, new_s = inner_update(g, problem.s_def.unflatten(s), p, **extra)
+    flat = problem.s_def.flatten_up_to(new_s)
+    flat = [trim(x, held[o]) if o in held else x for x, o in zip(flat, problem.own)]
+    return u, problem.s_def.unflatten(flat)
+
+  p = p if problem.send_params else None
+  g, s, p, extra = jax.device_put((g, s, p, extra), HOST)
+  return _compat.on_host(host, (DEVICE, spaces))(g, s, p, extra)
 
 
 def assemble_updates(problem: Problem, per_call: list, whole_u: dict) -> Any:
@@ -430,9 +468,9 @@ def _host_typed(leaf) -> Any:
   return jax.tree.map(one, leaf)
 
 
-def _host_take(leaf, pc: Piece) -> Any:
-  """Rows of a host leaf, cut on the host and sent to the device."""
-  return _compat.on_host(lambda x: take(x, pc.start, pc.stop), DEVICE)(leaf)
+def _host_take(leaf, pc: Piece, to=DEVICE) -> Any:
+  """Rows of a host leaf, cut on the host and sent to the device (``to``: left there)."""
+  return _compat.on_host(lambda x: take(x, pc.start, pc.stop), to)(leaf)
 
 
 def concat(pieces: list) -> Any:
@@ -461,7 +499,8 @@ def _collect(problem: Problem, call, new: list, rows: dict) -> list:
   for pc in call:
     for j, o in enumerate(problem.own):
       if o == pc.leaf:
-        sent.append(jax.device_put(trim(new[j], pc.stop - pc.start), HOST))
+        sent.append(new[j] if problem.host else jax.device_put(
+            trim(new[j], pc.stop - pc.start), HOST))
         rows.setdefault(j, []).append(sent[-1])
   return sent
 
@@ -556,9 +595,10 @@ def scan_group(update: Callable, problem: Problem, ks: list, values, states: lis
     sub = dataclasses.replace(problem, g_flat=_swap(problem.g_flat, i, g_k),
                               p_flat=None if p_k is None else _swap(problem.p_flat, i, p_k))
     pieces = dict(zip(js, s_k))
-    rows_of = lambda j, pc: _piece_rows(pieces[j], problem.s_flat[j], rows)  # noqa: E731
+    rows_of = lambda j, pc: pieces[j] if problem.host else _piece_rows(  # noqa: E731
+        pieces[j], problem.s_flat[j], rows)
     u, new = run_call(update, sub, piece, slot, v, rows_of, extra)
-    out = [_to_host_rows(trim(new[j], rows)) for j in js]
+    out = [new[j] if problem.host else _to_host_rows(trim(new[j], rows)) for j in js]
     zero_d = {n: u[n] for n, g_n in enumerate(problem.g_flat) if np.ndim(g_n) == 0}
     if apply:
       carry = jax.lax.dynamic_update_index_in_dim(carry, add(p_k, u[i][:rows]), k, 0)
@@ -655,5 +695,5 @@ def _unrolled(update, problem: Problem, k: int, sums, finite, states, sent, extr
   call = problem.calls[k]
   slot = problem.phantom_slot(call)
   gated = _after(states, sent, k)
-  rows_of = lambda j, pc: _host_take(gated[j], pc)  # noqa: E731
+  rows_of = lambda j, pc: _host_take(gated[j], pc, HOST if problem.host else DEVICE)  # noqa: E731
   return run_call(update, problem, call, slot, phantom_value(sums, finite, k), rows_of, extra)

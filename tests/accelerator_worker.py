@@ -72,16 +72,16 @@ def tree(which: str, dtype) -> dict:
 
 
 def offloaded(name: str) -> tuple:
-  """``"FORMAT:CHUNK_BYTES"`` (``"none"``: None) or ``"FORMAT:compute"``: the format's
-  ``ak.offload`` (its one-pass ``step`` is what compiles); with a ``":update"`` suffix its
-  optax form, ``update`` + ``optax.apply_updates``."""
+  """``"FORMAT:CHUNK_BYTES"`` (``"none"``: None) in ``mode="state"``, or
+  ``"FORMAT:compute"`` (``"compute-none"``: unstreamed): the format's ``ak.offload`` (its
+  one-pass ``step`` is what compiles); with a ``":update"`` suffix its optax form,
+  ``update`` + ``optax.apply_updates``."""
   fmt, chunk, *form = name.split(":")
   factory, dtype = FORMATS[fmt]
-  if chunk == "compute":
-    tx = ak.offload(factory(), mode="compute")
-  else:
-    chunk_bytes = None if chunk == "none" else chunk if chunk == "auto" else int(chunk)
-    tx = ak.offload(factory(), mode="state", chunk_bytes=chunk_bytes)
+  mode = "compute" if chunk.startswith("compute") else "state"
+  chunk = chunk.removeprefix("compute").removeprefix("-") or "auto"
+  chunk_bytes = None if chunk == "none" else chunk if chunk == "auto" else int(chunk)
+  tx = ak.offload(factory(), mode=mode, chunk_bytes=chunk_bytes)
   if form == ["update"]:
     tx = optax.GradientTransformationExtraArgs(tx.init, tx.update)
   return tx, dtype

@@ -418,3 +418,20 @@ def test_fused_step_keeps_mixed_shardings_on_8_devices(make, multi_tensor):
     one, one_state = jax.jit(fn)(one, one_state)
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((one, one_state))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+
+
+def test_one_device_is_chosen_by_the_program_lowered():
+  """``_compat.one_device``: the branch of the device count the program is lowered for
+  (inside jit an Auto mesh's arrays carry no sharding), one device, a 2- and an 8-device
+  mesh, under grad and vmap; outside a program, the many-device branch."""
+  f = jax.jit(lambda x: _compat.one_device(lambda: x * 2.0, lambda: x * 3.0))
+  x = jnp.ones((8, 4))
+  assert float(f(x)[0, 0]) == 2.0
+  for n in (2, 8):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+    assert float(f(jax.device_put(x, NamedSharding(mesh, P("x"))))[0, 0]) == 3.0, n
+    replicated = jax.device_put(x, NamedSharding(mesh, P()))
+    assert float(f(replicated)[0, 0]) == 3.0, n  # n devices, though none is split
+  assert float(jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(x)[0, 0]) == 2.0
+  assert float(jax.vmap(f)(jnp.ones((2, 8, 4)))[0, 0, 0]) == 2.0
+  assert float(_compat.one_device(lambda: 2.0, lambda: 3.0)) == 3.0
