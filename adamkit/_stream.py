@@ -123,14 +123,15 @@ def _tile_rows(shape: tuple, leaves) -> int:
   return 1024 if len(shape) == 1 else 32 // min(itemsize, 4)
 
 
-def _rows_per_piece(size: int, chunk_bytes: int, shape: tuple, mine) -> int:
-  """Rows per piece of a leaf cut into (at least two) pieces of at most about
-  ``chunk_bytes`` of state: equal pieces on whole tiles where the rows allow it, else
-  equal pieces, else pieces of that size and a shorter last one."""
-  unit = _row_unit(shape, mine)
+def _rows_per_piece(size: int, chunk_bytes: int, shape: tuple, leaves) -> int:
+  """Rows per piece of a leaf (``leaves``: its state leaves and the param) cut into at
+  least two pieces of at most about ``chunk_bytes`` of state: equal pieces on whole tiles
+  where the rows allow it, else equal pieces, else pieces of that size and a shorter last
+  one."""
+  unit = _row_unit(shape, leaves)
   pieces = max(2, -(-size // chunk_bytes))  # even: no small tail below a format's min_size
   rows = max(unit, -(-shape[0] // pieces // unit) * unit)
-  for u in (math.lcm(unit, _tile_rows(shape, mine)), unit):
+  for u in (math.lcm(unit, _tile_rows(shape, leaves)), unit):
     even = _even_rows(shape[0], rows, u) if u <= rows else None
     if even is not None:
       return even
@@ -161,7 +162,7 @@ def plan(params_flat, state_flat, own, chunk_bytes: int) -> list[list[Piece]]:
       current.append(Piece(i, 0, shape[0]))
       used += size
       continue
-    rows = _rows_per_piece(size, chunk_bytes, shape, mine)
+    rows = _rows_per_piece(size, chunk_bytes, shape, [*mine, p])
     calls.extend([Piece(i, a, min(a + rows, shape[0]))] for a in range(0, shape[0], rows))
   if current:
     calls.append(current)
@@ -624,8 +625,10 @@ def _swap(leaves: list, i: int, x) -> list:
 
 
 def step_state(update: Callable, problem: Problem, extra: dict, apply: bool = False):
-  """``mode="state"``: each call's state rows come down, are updated on the device, and
-  go back up; the device holds one call's rows (and XLA's copies in flight).
+  """The streamed step. ``mode="state"``: each call's state rows come down, are updated on
+  the device, and go back up; the device holds one call's rows (and XLA's copies in
+  flight). ``mode="compute"`` (``problem.host``): each call's gradient rows go to the host,
+  its update is computed there beside its state rows, and its update rows come back.
 
   Returns ``(updates, state)``, or with ``apply`` ``(params, state)``: each call's update
   is added to its param rows at once, written over the (donated) params, so the step never
