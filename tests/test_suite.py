@@ -66,6 +66,25 @@ def test_jit_equals_eager_with_none_leaves(name):
   assert not np.allclose(np.asarray(jit_p["bias"]), np.asarray(params["bias"]))
 
 
+ONE_PASS = [n for n in NAMES if isinstance(REGISTRY[n](0.01), ak.FusedStep)]
+
+
+@pytest.mark.parametrize("name", ONE_PASS)
+def test_one_pass_step_equals_update_and_apply(name):
+  """Every optimizer with a one-pass ``step`` (the fused steps, every offloaded transform)
+  trains through it, jitted with params and state donated, as through ``update`` +
+  ``optax.apply_updates``."""
+  params = make_params()
+  want_p, want_s = run(REGISTRY[name](0.01), params)
+  tx = REGISTRY[name](0.01)
+  step = jax.jit(tx.step, donate_argnums=(0, 1))
+  got_p, got_s = jax.tree.map(jnp.copy, params), tx.init(params)
+  for s in range(3):
+    got_p, got_s = step(got_p, got_s, grads=make_grads(params, s))
+  assert_trees_close(got_p, want_p)
+  assert_trees_close(got_s, want_s)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", NAMES)
 def test_dtypes_and_shapes_are_stable(name, dtype):
