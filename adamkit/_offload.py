@@ -831,12 +831,11 @@ def _maybe_streamed(inner, mode, chunk_bytes, updates, state, params, extra, app
       return (_sparse.apply_updates(params, out[0]), out[1]) if apply else out
     if mode == "state":
       return _stream.step_state(inner.update, problem, extra, apply)
-    host = _compat.HOST
-    reads = params is not None and _reads_params(
-        lambda u, s, p, e: inner.update(u, s, p, **e), *jax.device_put(
-            (updates, state, params, extra), host))
-    problem = dataclasses.replace(problem, host=True, send_params=reads)
     with _explain_host_tracing():
+      reads = params is not None and _reads_params(
+          lambda u, s, p, e: inner.update(u, s, p, **e), *jax.device_put(
+              (updates, state, params, extra), _compat.HOST))
+      problem = dataclasses.replace(problem, host=True, send_params=reads)
       return _stream.step_state(inner.update, problem, extra, apply)
 
   if chunk_bytes != "auto":

@@ -202,6 +202,18 @@ def test_nonfinite_skip_skips_every_call():
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got_p))
 
 
+@needs_host
+@pytest.mark.parametrize("make", [lambda: ak.adam(0.05, nonfinite="skip"),
+                                  lambda: optax.chain(optax.clip_by_global_norm(0.5), ak.adam(0.05))],
+                         ids=["nonfinite-skip", "optax-clip"])
+def test_compute_mode_streamed_refuses_what_the_host_cannot_trace(make):
+  """Streamed or not, ``mode="compute"`` refuses a transform JAX cannot trace on
+  host-resident arrays with the advice to use ``mode="state"``, never a raw type error."""
+  for chunk_bytes in (4096, None):
+    with pytest.raises(RuntimeError, match="mode='state'"):
+      trajectory(ak.offload(make(), mode="compute", chunk_bytes=chunk_bytes), steps=1)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "big", True])
 def test_bad_chunk_bytes_named(bad):
   with pytest.raises(ValueError, match="chunk_bytes"):
@@ -219,8 +231,11 @@ def test_an_int_where_nothing_streams_yet_is_refused(mode):
 
 
 @needs_host
-@pytest.mark.parametrize("make", [lambda: ak.adamw(0.05, weight_decay=0.01),
-                                  lambda: ak.adam(0.05, nesterov=True)], ids=["adamw", "adam"])
+@pytest.mark.parametrize("make", [
+    lambda: ak.adamw(0.05, weight_decay=0.01), lambda: ak.adam(0.05, nesterov=True),
+    lambda: ak.adam(0.05, loss_scale=128.0, grad_clip=ak.ClipGradByGlobalNorm(0.5)),
+    lambda: optax.inject_hyperparams(ak.adam)(learning_rate=optax.linear_schedule(0.1, 0.0, 10)),
+], ids=["adamw", "adam", "clip-loss-scale", "inject-schedule"])
 @pytest.mark.parametrize("chunk_bytes", [16384, 65536])
 def test_compute_mode_streams_on_the_host(make, chunk_bytes):
   """``mode="compute"`` streamed: each call's gradient (and param) rows go down, its
