@@ -1,7 +1,7 @@
 """adamkit: Adam-family optimizer transforms for JAX that reproduce MindSpore and Paddle.
 
-Every optimizer is an ``optax.GradientTransformation`` (the fused steps also have a
-one-pass ``step`` that returns the new params)::
+Every optimizer is an ``optax.GradientTransformation`` (the fused steps and the offloaded
+transforms also have a one-pass ``step`` that returns the new params)::
 
   import adamkit as ak
   tx = ak.adam(1e-3, weight_decay=0.05)        # MindSpore nn.Adam semantics

@@ -145,10 +145,13 @@ class FusedAmsgradState(NamedTuple):
 
 
 class FusedStep(optax.GradientTransformationExtraArgs):
-  """A fused optimizer: an ``optax.GradientTransformation`` (``init(params) -> state``,
-  ``update(grads, state, params) -> (updates, state)``) with a fast path,
-  ``step(params, state, *, grads) -> (params, state)``, over the same state. Jit ``step``
-  with ``donate_argnums=(0, 1)``: the kernel then updates params and state in place.
+  """An optimizer with a one-pass step: an ``optax.GradientTransformation``
+  (``init(params) -> state``, ``update(grads, state, params) -> (updates, state)``) with
+  ``step(params, state, *, grads) -> (params, state)`` over the same state. The fused
+  optimizers (:func:`adamkit.fused_adam`, ...) and every offloaded transform
+  (:func:`adamkit.offload`, which adds each streamed piece's update to its param rows) are
+  of this type. Jit ``step`` with ``donate_argnums=(0, 1)``: params and state are then
+  updated in place.
 
   ``grads`` is keyword-only: ``step`` puts the params first (the donated inputs in the
   order of its outputs), the reverse of ``update(grads, state, params)``, and with
