@@ -203,6 +203,35 @@ def test_nonfinite_skip_skips_every_call():
 
 
 @needs_host
+@pytest.mark.parametrize("mode", ["state", "compute"])
+def test_a_single_leaf_carries_its_own_phantom_row(mode):
+  """With one leaf there is no other leaf for the phantom row: it is appended to the
+  call's own rows (in compute mode, joined inside the host computation), and the global
+  norm of clipping binds as in the whole step."""
+  params = jax.device_put({"c": make_params()["c"]}, jax.devices()[0])
+  make = lambda: ak.adamw(0.05, weight_decay=0.01, grad_clip=ak.ClipGradByGlobalNorm(0.5))  # noqa: E731
+
+  def run(tx, one_pass):
+    p, s = params, tx.init(params)
+    for t in range(3):
+      g = grads_at(p, jnp.float32(t))
+      if one_pass:
+        p, s = jax.jit(tx.step)(p, s, grads=g)
+      else:
+        u, s = jax.jit(tx.update)(g, s, p)
+        p = optax.apply_updates(p, u)
+    return p
+
+  inner = optax.with_extra_args_support(make())
+  problem = _stream.structure(params, inner.init(params), params, 65536, inner.init)
+  assert len(problem.calls) > 1 and problem.phantom_slot(problem.calls[0]) == 0
+  want = run(make(), False)
+  tx = ak.offload(make(), mode=mode, chunk_bytes=65536)
+  for one_pass in (False, True):
+    assert_close(run(tx, one_pass), want, 1e-6)
+
+
+@needs_host
 @pytest.mark.parametrize("make", [lambda: ak.adam(0.05, nonfinite="skip"),
                                   lambda: optax.chain(optax.clip_by_global_norm(0.5), ak.adam(0.05))],
                          ids=["nonfinite-skip", "optax-clip"])
