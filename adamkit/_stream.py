@@ -42,7 +42,9 @@ from adamkit import _compat, _quant
 AUTO_BYTES = 4 * 2**20  # "auto" on a TPU: about 4 MiB of state per call
 # A float leaf of more than ``chunk_bytes / SCAN_FLOOR`` bytes of state streams in pieces
 # through a ``lax.scan`` of its own (two at least). Smaller leaves share unrolled calls,
-# whose copies XLA's TPU compiler may merge and issue all at once.
+# whose copies XLA's TPU compiler may merge and issue all at once; so does a leaf under
+# ``chunk_bytes`` whose rows divide into no more than SCAN_FLOOR equal pieces (a prime
+# number of rows would make a long loop of one-row copies).
 SCAN_FLOOR = 16
 
 
@@ -154,15 +156,16 @@ def plan(params_flat, state_flat, own, chunk_bytes: int) -> list[list[Piece]]:
     size = sum(_nbytes(s) for s in mine)
     if not shape or not mine or not shape[0]:
       continue
-    quantized = any(map(_quant.is_qarray, mine))
-    if size <= chunk_bytes and (quantized or shape[0] < 2 or size <= chunk_bytes // SCAN_FLOOR):
+    rows = _rows_per_piece(size, chunk_bytes, shape, [*mine, p])
+    if size <= chunk_bytes and (any(map(_quant.is_qarray, mine)) or shape[0] < 2 or
+                                size <= chunk_bytes // SCAN_FLOOR or
+                                shape[0] > SCAN_FLOOR * rows):
       if used + size > chunk_bytes and current:
         calls.append(current)
         current, used = [], 0
       current.append(Piece(i, 0, shape[0]))
       used += size
       continue
-    rows = _rows_per_piece(size, chunk_bytes, shape, [*mine, p])
     calls.extend([Piece(i, a, min(a + rows, shape[0]))] for a in range(0, shape[0], rows))
   if current:
     calls.append(current)
