@@ -749,21 +749,21 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
   _validate.check_choice("mode", mode, _MODES)
   _validate.check_choice("memory_kind", memory_kind, _HOST_KINDS)
   _stream.check_chunk_bytes(chunk_bytes)
-  _check_streams(tx, mode, chunk_bytes)
+  _check_streams(tx, chunk_bytes)
   if isinstance(tx, FusedStep):
     return _offload_fused(tx, mode, memory_kind)
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError("`tx` must be an optax GradientTransformation or an adamkit FusedStep, "
                     f"got {type(tx).__name__}.")
   inner = optax.with_extra_args_support(tx)
-  whole = _whole_state_step if mode == "state" else _whole_compute_step
 
   def run(updates, state, params, extra, apply):
     _check_state_memory(state, memory_kind)
     if _has_row_sparse(updates):
       out = None if mode == "compute" else _update_touched_rows(
           inner, updates, state, params, extra)
-      out = whole(inner, updates, state, params, extra) if out is None else out
+      if out is None:
+        return _whole_step(inner, mode, updates, state, params, extra, apply)
       return (_sparse.apply_updates(params, out[0]), out[1]) if apply else out
     return _maybe_streamed(inner, mode, chunk_bytes, updates, state, params, extra, apply)
 
@@ -776,10 +776,9 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
   return FusedStep(_host_init(inner.init, mode, memory_kind), step_fn, update_fn)
 
 
-def _check_streams(tx, mode: str, chunk_bytes: Any) -> None:
+def _check_streams(tx, chunk_bytes: Any) -> None:
   """An explicit ``chunk_bytes`` only where the state streams: a transform (not a
   :class:`adamkit.FusedStep`, whose one-pass step is not cut), in either mode."""
-  del mode
   if chunk_bytes in (None, "auto"):
     return
   if isinstance(tx, FusedStep):
@@ -815,6 +814,13 @@ def _whole_compute_step(inner, updates, state, params, extra):
     return fn(updates, state, params, extra)
 
 
+def _whole_step(inner, mode, updates, state, params, extra, apply):
+  """The unstreamed step of either mode; ``apply``: ``(params, state)``."""
+  step = _whole_state_step if mode == "state" else _whole_compute_step
+  updates, state = step(inner, updates, state, params, extra)
+  return (_sparse.apply_updates(params, updates), state) if apply else (updates, state)
+
+
 def _maybe_streamed(inner, mode, chunk_bytes, updates, state, params, extra, apply=False):
   """The step streamed in calls of ``chunk_bytes`` (``"auto"``: by the platform the step
   is compiled for, :func:`_auto_chunk_bytes`), or whole where streaming does not apply
@@ -822,13 +828,10 @@ def _maybe_streamed(inner, mode, chunk_bytes, updates, state, params, extra, app
   returns ``(params, state)``, the streamed step adding each call's update to its rows.
   In ``mode="compute"`` each call is computed on the host (its state rows never leave
   it)."""
-  whole = _whole_state_step if mode == "state" else _whole_compute_step
-
   def with_bytes(nbytes):
     problem = None if nbytes is None else _stream.structure(updates, state, params, nbytes, inner.init)
     if problem is None:
-      out = whole(inner, updates, state, params, extra)
-      return (_sparse.apply_updates(params, out[0]), out[1]) if apply else out
+      return _whole_step(inner, mode, updates, state, params, extra, apply)
     if mode == "state":
       return _stream.step_state(inner.update, problem, extra, apply)
     with _explain_host_tracing():

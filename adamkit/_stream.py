@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from adamkit import _compat, _quant
 
@@ -396,16 +397,12 @@ def assemble_updates(problem: Problem, per_call: list, whole_u: dict) -> Any:
   for call, u in per_call:
     for pc in call:
       pieces[pc.leaf].append(u[pc.leaf][:pc.stop - pc.start])
-  out = []
+  out = {**_zero_d_updates(problem, per_call, whole_u), **whole_u}
   for i, g in enumerate(problem.g_flat):
-    if i in whole_u:
-      out.append(whole_u[i])
-      continue
-    if np.ndim(g) == 0 or not pieces[i]:
-      out.append(per_call[0][1][i] if np.ndim(g) == 0 else jnp.zeros_like(g))
-      continue
-    out.append(pieces[i][0] if len(pieces[i]) == 1 else jnp.concatenate(pieces[i], axis=0))
-  return problem.g_def.unflatten(out)
+    if i not in out:
+      out[i] = (jnp.zeros_like(g) if not pieces[i] else pieces[i][0] if len(pieces[i]) == 1
+                else jnp.concatenate(pieces[i], axis=0))
+  return problem.g_def.unflatten([out[i] for i in range(len(problem.g_flat))])
 
 
 def trim(leaf, rows: int) -> Any:
@@ -521,10 +518,10 @@ def _after(states: list, sent: list, k: int) -> list:
   return jax.lax.optimization_barrier((states, sent[k - WINDOW]))[0]
 
 
-def _finish(problem: Problem, per_call, states, scalars, whole_u):
-  for j, v in scalars.items():
-    states[j] = v
-  return assemble_updates(problem, per_call, whole_u), problem.s_def.unflatten(states)
+def _zero_d_updates(problem: Problem, per_call: list, whole_u: dict) -> dict:
+  """The 0-d leaves' updates (every call computes the same; the first one's)."""
+  return {i: whole_u[i] if i in whole_u else per_call[0][1][i]
+          for i, g in enumerate(problem.g_flat) if np.ndim(g) == 0}
 
 
 def scan_groups(problem: Problem) -> list[list[int]]:
@@ -605,7 +602,8 @@ def scan_group(update: Callable, problem: Problem, ks: list, values, states: lis
     out = [new[j] if problem.host else _to_host_rows(trim(new[j], rows)) for j in js]
     zero_d = {n: u[n] for n, g_n in enumerate(problem.g_flat) if np.ndim(g_n) == 0}
     if apply:
-      carry = jax.lax.dynamic_update_index_in_dim(carry, add(p_k, u[i][:rows]), k, 0)
+      new_p = optax.apply_updates(p_k, u[i][:rows])
+      carry = jax.lax.dynamic_update_index_in_dim(carry, new_p, k, 0)
       return carry, (out, (new_scalars(problem, new), zero_d))
     return carry, (u[i][:rows], out, (new_scalars(problem, new), zero_d))
 
@@ -614,11 +612,6 @@ def scan_group(update: Callable, problem: Problem, ks: list, values, states: lis
   new = {j: _unstacked(y, states[j]) for j, y in zip(js, out)}
   scalars, zero_d = jax.tree.map(lambda x: x[0], firsts)
   return {**zero_d, i: u.reshape(problem.g_flat[i].shape)}, new, scalars
-
-
-def add(p, u):
-  """``p + u`` in ``p``'s dtype: ``optax.apply_updates`` of one leaf."""
-  return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
 
 def _swap(leaves: list, i: int, x) -> list:
@@ -660,11 +653,14 @@ def step_state(update: Callable, problem: Problem, extra: dict, apply: bool = Fa
       sent.append(_collect(problem, call, new, rows))
   for j, pieces in rows.items():
     states[j] = _host_concat(pieces)
-  updates, state = _finish(problem, per_call, states, scalars, whole_u)
+  for j, v in scalars.items():
+    states[j] = v
+  state = problem.s_def.unflatten(states)
   if not apply:
-    return updates, state
-  zero_d = problem.g_def.flatten_up_to(updates)
-  params = [add(p, u) if np.ndim(p) == 0 else p for p, u in zip(problem.p_flat, zero_d)]
+    return assemble_updates(problem, per_call, whole_u), state
+  zero_d = _zero_d_updates(problem, per_call, whole_u)  # the other leaves hold theirs
+  params = [optax.apply_updates(p, zero_d[i]) if i in zero_d else p
+            for i, p in enumerate(problem.p_flat)]
   return problem.g_def.unflatten(params), state
 
 
@@ -680,7 +676,7 @@ def _applied(problem: Problem, call: list[Piece], u: list) -> Problem:
   p_flat = list(problem.p_flat)
   for pc in call:
     old = jax.lax.slice_in_dim(p_flat[pc.leaf], pc.start, pc.stop, axis=0)
-    new = add(old, u[pc.leaf][:pc.stop - pc.start])
+    new = optax.apply_updates(old, u[pc.leaf][:pc.stop - pc.start])
     p_flat[pc.leaf] = jax.lax.dynamic_update_slice_in_dim(p_flat[pc.leaf], new, pc.start, 0)
   return dataclasses.replace(problem, p_flat=p_flat)
 
