@@ -224,6 +224,27 @@ def on_gpu(gpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
   return jax.lax.platform_dependent(cuda=gpu, rocm=gpu, default=other)
 
 
+def on_accelerator(accelerator: Callable[[], Any], cpu: Callable[[], Any]) -> Any:
+  """``accelerator()`` where the program is compiled for a GPU or a TPU, ``cpu()``
+  elsewhere (as :func:`on_gpu`; each branch traced only where it can be compiled)."""
+  return on_tpu(accelerator, lambda: on_gpu(accelerator, cpu))
+
+
+def on_tpu(tpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
+  """``tpu()`` where the program is compiled for a TPU, ``other()`` elsewhere (as
+  :func:`on_gpu`). Both are traced only where this process can compile for a TPU
+  (``libtpu`` installed, :func:`tpu_compilable`)."""
+  if not tpu_compilable():
+    return other()
+  return jax.lax.platform_dependent(tpu=tpu, default=other)
+
+
+@functools.cache
+def tpu_compilable() -> bool:
+  """Whether ``libtpu`` is installed: without it JAX cannot lower a program for a TPU."""
+  return importlib.util.find_spec("libtpu") is not None
+
+
 @functools.cache
 def gpu_compilable() -> bool:
   """Whether a CUDA or ROCm PJRT plugin is installed: without one JAX cannot lower a

@@ -53,6 +53,9 @@ CHUNK = 1 << 16  # elements encoded per loop iteration: float32 temporaries of 2
 # iteration has a fixed cost in XLA, which the larger chunks halve (on this project's CPU
 # the 8-bit step takes 0.75x the time it takes with CHUNK)
 IN_PLACE_CHUNKS = 2
+# A TPU tiles an array's last two axes, the second-to-last by 8 (32-bit values) to 32 (one
+# byte); the strided loops' chunk count is a multiple of this where the rows allow.
+TILE_ROWS = 32
 
 
 # ----------------------------------------------------------------------- the leaf step
@@ -134,7 +137,7 @@ def _requantize(moments: Callable, g: jax.Array, olds, count) -> list:
   rows = _strided_rows(g, quant, block, CHUNK)
   loop = (functools.partial(_strided, moments, g, olds, rows, count) if rows is not None
           else functools.partial(_contiguous, moments, g, olds, block, count))
-  return _backend.on_gpu(lambda: loop(in_place=True), lambda: loop(in_place=False))
+  return _backend.on_accelerator(lambda: loop(in_place=True), lambda: loop(in_place=False))
 
 
 def _strided_rows(g: jax.Array, quant: list, block: int, chunk: int) -> _Rows | None:
@@ -148,8 +151,8 @@ def _strided_rows(g: jax.Array, quant: list, block: int, chunk: int) -> _Rows | 
 
 
 def _lead_layout(q) -> bool:
-  """Whether ``q``'s codes keep the leaf's leading axes (no padding)."""
-  return len(q.shape) >= 1 and q.shape[-1] > 0 and q.shape[-1] % q.fmt.block_size == 0
+  """Whether ``q``'s codes keep the leaf's shape (no padding)."""
+  return _quant.leaf_layout(q.shape, q.fmt.block_size)
 
 
 def _divisors(n: int) -> list[int]:
@@ -172,21 +175,38 @@ class _Rows:
     # from below; none when that leaves chunks under an eighth of it (few long rows,
     # a prime number of rows) or over eight times it (one long row): those leaves take
     # contiguous chunks instead.
+    fits = lambda r: (8 * r * row_size >= min(chunk, self.rows * row_size)  # noqa: E731
+                      and r * row_size <= 8 * chunk)
     r = max(d for d in _divisors(self.rows) if d * row_size <= chunk) if row_size <= chunk else 1
-    size = r * row_size
-    fits = 8 * size >= min(chunk, self.rows * row_size) and size <= 8 * chunk
-    self.plan = (r, self.rows // r) if fits else None
+    # Where it fits, ``K`` a multiple of TILE_ROWS: the chunks' axis is then the
+    # second-to-last of a leaf's codes seen as ``(r, K, row)``, which a TPU tiles, and the
+    # view is the same tiled bytes (otherwise XLA copies the whole codes into it).
+    tiled = [d for d in _divisors(self.rows) if (self.rows // d) % TILE_ROWS == 0
+             and d * row_size <= chunk and fits(d)]
+    r = max(tiled) if tiled and len(self.row) == 1 else r
+    self.plan = (r, self.rows // r) if fits(r) else None
 
   def of(self, x: jax.Array) -> jax.Array:
     """A leaf-shaped array as ``(rows, *row)``."""
     return x.reshape((self.rows,) + self.row)
 
   def codes(self, q) -> tuple[jax.Array, jax.Array]:
-    """``q``'s codes and scales with axis 0 the leaf's rows."""
+    """``q``'s codes and scales with axis 0 the leaf's rows (the codes in the leaf's
+    shape, a 1-D leaf's as ``(rows, bytes of a block)``)."""
     if self.ndim >= 2:
       return q.codes, q.scales
-    return (q.codes.reshape((self.rows, -1) + q.codes.shape[1:]),
-            q.scales.reshape(self.rows, -1))
+    return q.codes.reshape(self.rows, -1), q.scales.reshape(self.rows, -1)
+
+  @staticmethod
+  def decode(codes: jax.Array, scales: jax.Array, fmt, shape: tuple) -> jax.Array:
+    """A chunk's moment (``shape``) from its codes and scales as :meth:`codes` lays them
+    out, viewed as one row of bytes per block (a chunk-sized reshape)."""
+    return _quant.decode_blocks(codes.reshape(scales.shape + (-1,)), scales, fmt).reshape(shape)
+
+  def encode(self, x: jax.Array, fmt, count, i) -> tuple[jax.Array, jax.Array]:
+    """Chunk ``i``'s codes and scales of ``x`` (``(r, *row)``), laid out as :meth:`codes`."""
+    codes, scales = _encode(x, fmt, count, lambda: self.positions(i))
+    return codes.reshape(codes.shape[:-2] + (-1,)), scales
 
   def split(self, x: jax.Array) -> jax.Array:
     """``x`` (axis 0 the rows) as ``(r, K, ...)``: chunk ``i`` is ``[:, i]``, the rows
@@ -223,13 +243,13 @@ def _strided(moments, g, olds, rows: _Rows, count, in_place: bool) -> list:
     gc = take(gs).astype(compute_dtype(gs))
     # in place, a chunk's old codes are read from the buffers the loop writes
     read, olds_in = ((lambda a: _read_column(a, i)), outs) if in_place else (take, ins)
-    ocs = [_quant.decode_blocks(*map(read, src), o.fmt).reshape(gc.shape)
+    ocs = [rows.decode(*map(read, src), o.fmt, gc.shape)
            if _quant.is_qarray(o) else take(x).astype(gc.dtype)
            for o, x, src in zip(olds, ins, olds_in)]
     news = moments(gc, *ocs)
     return [None if out is None else tuple(
         lax.dynamic_update_index_in_dim(a, x, i, 1)
-        for a, x in zip(out, _encode(n, o.fmt, count, lambda: rows.positions(i))))
+        for a, x in zip(out, rows.encode(n, o.fmt, count, i)))
         for out, n, o in zip(outs, news, olds)]
 
   carry = [None if not _quant.is_qarray(o) else x if in_place
@@ -247,8 +267,7 @@ def _contiguous(moments, g, olds, block: int, count, in_place: bool) -> list:
   n = g.size
   size = max(block, CHUNK // block * block)
   flat_g = g.reshape(-1)
-  ins = [(o.codes.reshape(-1, o.codes.shape[-1]), o.scales.reshape(-1)) if _quant.is_qarray(o)
-         else o.reshape(-1) for o in olds]
+  ins = [_flat_blocks(o) if _quant.is_qarray(o) else o.reshape(-1) for o in olds]
 
   def part(lo, length: int, outs):
     """The new codes and scales of the elements ``[lo, lo + length)``."""
@@ -257,8 +276,9 @@ def _contiguous(moments, g, olds, block: int, count, in_place: bool) -> list:
     read, olds_in = (_read, outs) if in_place else (lax.dynamic_slice_in_dim, ins)
     for o, x, src in zip(olds, ins, olds_in):
       if _quant.is_qarray(o):
-        b = o.fmt.block_size
-        codes, scales = (read(a, lo // b, -(-length // b)) for a in src)
+        b, n_b = o.fmt.block_size, -(-length // o.fmt.block_size)
+        codes = _read_blocks(read, src[0], lo // b, n_b, _quant.code_width(o.fmt))
+        scales = read(src[1], lo // b, n_b)
         ocs.append(_quant.decode_blocks(codes, scales, o.fmt).reshape(-1)[:length])
       else:
         ocs.append(lax.dynamic_slice_in_dim(x, lo, length).astype(gc.dtype))
@@ -274,9 +294,8 @@ def _contiguous(moments, g, olds, block: int, count, in_place: bool) -> list:
     return out
 
   def write(outs, lo, news):
-    return [None if out is None else tuple(
-        lax.dynamic_update_slice_in_dim(a, x, lo // o.fmt.block_size, 0) for a, x in zip(out, nw))
-        for out, nw, o in zip(outs, news, olds)]
+    return [None if out is None else _write_blocks(out, nw, lo // o.fmt.block_size, o.fmt)
+            for out, nw, o in zip(outs, news, olds)]
 
   outs = [(x if in_place else tuple(map(_compat.zeros_like, x))) if _quant.is_qarray(o)
           else None for o, x in zip(olds, ins)]
@@ -352,11 +371,10 @@ def _strided_in_place(step, p, g, bufs, rows: _Rows, count) -> tuple:
     take = lambda a: _read_column(a, i)  # noqa: E731
     put = lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 1)  # noqa: E731
     pc = take(ps)
-    olds = [_quant.decode_blocks(*map(take, x), b.fmt).reshape(pc.shape)
+    olds = [rows.decode(*map(take, x), b.fmt, pc.shape)
             if _quant.is_qarray(b) else take(x) for b, x in zip(bufs, outs)]
     new_p, *news = step(pc, lax.dynamic_index_in_dim(gs, i, 1, keepdims=False), *olds)
-    outs = [tuple(put(a, y) for a, y in zip(x, _encode(n, b.fmt, count,
-                                                       lambda: rows.positions(i))))
+    outs = [tuple(put(a, y) for a, y in zip(x, rows.encode(n, b.fmt, count, i)))
             if _quant.is_qarray(b) else put(x, n.astype(x.dtype))
             for b, x, n in zip(bufs, outs, news)]
     return put(ps, new_p.astype(ps.dtype)), outs
@@ -375,8 +393,7 @@ def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
   flat_g = g.reshape(-1)
   at = [0 if a is None else a for a in at]
   starts = [a // b.fmt.block_size if _quant.is_qarray(b) else a for b, a in zip(bufs, at)]
-  flat = lambda b: ((b.codes.reshape(-1, b.codes.shape[-1]), b.scales.reshape(-1))  # noqa: E731
-                    if _quant.is_qarray(b) else b.reshape(-1))
+  flat = lambda b: _flat_blocks(b) if _quant.is_qarray(b) else b.reshape(-1)  # noqa: E731
 
   def part(lo, length: int, carry):
     """The chunk of the elements ``[lo, lo + length)`` stepped and written back."""
@@ -385,8 +402,9 @@ def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
     olds = []
     for b, x, s0 in zip(bufs, outs, starts):
       if _quant.is_qarray(b):
-        k = b.fmt.block_size
-        codes, scales = (_read(a, s0 + lo // k, -(-length // k)) for a in x)
+        k, n_b = b.fmt.block_size, -(-length // b.fmt.block_size)
+        codes = _read_blocks(_read, x[0], s0 + lo // k, n_b, _quant.code_width(b.fmt))
+        scales = _read(x[1], s0 + lo // k, n_b)
         olds.append(_quant.decode_blocks(codes, scales, b.fmt).reshape(-1)[:length])
       else:
         olds.append(_read(x, s0 + lo, length))
@@ -398,8 +416,7 @@ def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
         nw = jnp.pad(nw, (0, -length % k)) if length % k else nw
         enc = _encode(nw, b.fmt, count, lambda nw=nw: _quant.positions(
             nw.shape, jnp.asarray(lo).astype(jnp.uint32)))
-        written.append(tuple(lax.dynamic_update_slice_in_dim(a, y, s0 + lo // k, 0)
-                             for a, y in zip(x, enc)))
+        written.append(_write_blocks(x, enc, s0 + lo // k, b.fmt))
       else:
         written.append(lax.dynamic_update_slice_in_dim(x, nw.astype(x.dtype), s0 + lo, 0))
     return lax.dynamic_update_slice_in_dim(ps, new_p.astype(ps.dtype), lo, 0), written
@@ -425,6 +442,34 @@ def _stored(olds, outs) -> list:
   return [None if out is None else _quant.QuantizedArray(
       out[0].reshape(o.codes.shape), out[1].reshape(o.scales.shape), o.shape, o.fmt)
       for o, out in zip(olds, outs)]
+
+
+def _flat_blocks(q) -> tuple[jax.Array, jax.Array]:
+  """``q``'s codes and scales as the contiguous loops read them: the scales flat, the
+  codes as stored when they are one row of bytes per block or one run of bytes (a 1-D
+  leaf, a flat multi-tensor buffer), else reshaped to one row per block (a copy on a TPU,
+  which tiles the last two axes of the leaf-shaped codes)."""
+  codes = q.codes if q.codes.ndim == 1 else _quant.code_blocks(q).reshape(q.scales.size, -1)
+  return codes, q.scales.reshape(-1)
+
+
+def _read_blocks(read: Callable, codes: jax.Array, first, count: int, width: int) -> jax.Array:
+  """The codes of blocks ``[first, first + count)`` as ``(count, width)``, by ``read(a,
+  start, length)`` on axis 0 of :func:`_flat_blocks`' codes (rows of blocks, or bytes)."""
+  if codes.ndim == 1:
+    return read(codes, first * width, count * width).reshape(count, width)
+  return read(codes, first, count)
+
+
+def _write_blocks(out: tuple, new: tuple, first, fmt) -> tuple:
+  """``out`` (codes and scales, as :func:`_flat_blocks` gives them) with ``new``'s blocks
+  (``(count, width)`` codes, scales) written from block ``first``."""
+  codes, scales = out
+  if codes.ndim == 1:
+    codes = lax.dynamic_update_slice_in_dim(codes, new[0].reshape(-1), first * _quant.code_width(fmt), 0)
+  else:
+    codes = lax.dynamic_update_slice_in_dim(codes, new[0], first, 0)
+  return codes, lax.dynamic_update_slice_in_dim(scales, new[1], first, 0)
 
 
 def _blocked(x: jax.Array, block: int) -> jax.Array:
@@ -492,11 +537,6 @@ def shardings_like(m, sharding: jax.sharding.Sharding, memory_kind: str | None =
   the param's unless given."""
   kind = memory_kind or sharding.memory_kind
   if isinstance(sharding, jax.sharding.NamedSharding):
-    if _lead_layout(m):
-      spec = tuple(sharding.spec) + (None,) * (len(m.shape) - len(sharding.spec))
-      specs = (spec + (None,), spec)
-    else:
-      specs = ((None, None), (None,))
     mesh = sharding.mesh
 
     def named(s, shape):  # an axis the mesh cannot split evenly (a row's one block) stays whole
@@ -504,8 +544,13 @@ def shardings_like(m, sharding: jax.sharding.Sharding, memory_kind: str | None =
       s = tuple(a if a is None or d % size(a) == 0 else None for a, d in zip(s, shape))
       return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s), memory_kind=kind)
 
-    return _quant.QuantizedArray(named(specs[0], m.codes.shape), named(specs[1], m.scales.shape),
-                                 m.shape, m.fmt)
+    if not _lead_layout(m):
+      return _quant.QuantizedArray(named((None, None), m.codes.shape),
+                                   named((None,), m.scales.shape), m.shape, m.fmt)
+    # codes in the leaf's shape: split as the scales are, whole blocks to a device
+    spec = tuple(sharding.spec) + (None,) * (len(m.shape) - len(sharding.spec))
+    scales = named(spec, m.scales.shape)
+    return _quant.QuantizedArray(scales, scales, m.shape, m.fmt)
   if len(sharding.device_set) == 1:
     one = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=kind)
     return _quant.QuantizedArray(one, one, m.shape, m.fmt)

@@ -302,7 +302,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   requantizes them (each row its own scales) and scatters them back: ``O(k)``, and every
   other row's codes and scales keep their bits. The block is the format's
   (``block_size``, default 256 at 8 bits) when it divides the last axis, else the whole
-  row (one float32 scale per row, any row length; codes ``(N, 1, D)``, scales
+  row (one float32 scale per row, any row length; codes ``(N, D)``, scales
   ``(N, 1)`` for a 2-D table). The state is then :math:`2 (1 + 4/B)` bytes per element
   at 8 bits (B the block): 2.06 for rows of 128, 2.125 for rows of 64, 2.5 for rows of
   16, 3 for rows of 8 (float32 Adam: 8); 4-bit halves the codes. Leaves under
@@ -376,7 +376,7 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
     >>> tx = ak.scale_by_sparse_adam(mu_dtype="8bit", nu_dtype="8bit")
     >>> state = tx.init({"emb": jnp.zeros((1000, 64))})
     >>> state.mu["emb"].codes.shape, state.mu["emb"].scales.shape
-    ((1000, 1, 64), (1000, 1))
+    ((1000, 64), (1000, 1))
 
   References:
     Kingma & Ba (2015). Reproduces MindSpore 2.10 ``ops.FusedSparseLazyAdam`` /

@@ -178,24 +178,22 @@ def plan(params_flat, state_flat, own, chunk_bytes: int) -> list[list[Piece]]:
 
 def _blocks(q) -> tuple:
   """A quantized leaf's codes ``(blocks, width)`` and scales ``(blocks,)``, C order."""
-  return q.codes.reshape(-1, q.codes.shape[-1]), q.scales.reshape(-1)
-
-
-def _chunk_q(codes, scales, shape: tuple, fmt) -> Any:
-  lead = _quant.blocked_shape(shape, fmt.block_size)[:-1]
-  return _quant.QuantizedArray(codes.reshape(lead + codes.shape[-1:]), scales.reshape(lead),
-                               shape, fmt)
+  return _quant.code_blocks(q).reshape(q.scales.size, -1), q.scales.reshape(-1)
 
 
 def take(leaf, start: int, stop: int) -> Any:
   """Rows ``[start, stop)`` of a state leaf (a quantized one's blocks with their scales)."""
   if not _quant.is_qarray(leaf):
     return jax.lax.slice_in_dim(leaf, start, stop, axis=0)
+  shape = (stop - start, *leaf.shape[1:])
+  if leaf.ndim >= 2 and _quant.leaf_layout(leaf.shape, leaf.fmt.block_size):
+    return _quant.QuantizedArray(jax.lax.slice_in_dim(leaf.codes, start, stop, axis=0),
+                                 jax.lax.slice_in_dim(leaf.scales, start, stop, axis=0),
+                                 shape, leaf.fmt)
   row, b = math.prod(leaf.shape[1:]), leaf.fmt.block_size
   codes, scales = _blocks(leaf)
   lo, hi = start * row // b, -(-stop * row // b)
-  shape = (stop - start, *leaf.shape[1:])
-  return _chunk_q(codes[lo:hi], scales[lo:hi], shape, leaf.fmt)
+  return _quant.from_code_blocks(codes[lo:hi], scales[lo:hi], shape, leaf.fmt)
 
 
 def blank(template) -> Any:
@@ -221,7 +219,8 @@ def concat_rows(a, b) -> Any:
     return jnp.concatenate([a, b.astype(a.dtype)], axis=0)
   (ca, sa), (cb, sb) = _blocks(a), _blocks(b)
   shape = (a.shape[0] + b.shape[0], *a.shape[1:])
-  return _chunk_q(jnp.concatenate([ca, cb]), jnp.concatenate([sa, sb]), shape, a.fmt)
+  return _quant.from_code_blocks(jnp.concatenate([ca, cb]), jnp.concatenate([sa, sb]), shape,
+                                 a.fmt)
 
 
 def _aligned(leaf, rows: int) -> bool:
@@ -562,7 +561,7 @@ def _piece_rows(x, like, rows: int) -> Any:
   if not _quant.is_qarray(like):
     return jax.device_put(x, DEVICE)
   codes, scales = jax.device_put(x, DEVICE)
-  return _chunk_q(codes, scales, (rows, *like.shape[1:]), like.fmt)
+  return _quant.from_code_blocks(codes, scales, (rows, *like.shape[1:]), like.fmt)
 
 
 def _to_host_rows(q) -> Any:

@@ -439,7 +439,11 @@ def check_quantized_layout(q: Any, name: str, what: str = "state") -> None:
           f"blocks of {q.fmt.block_size}, shape {tuple(q.shape)}) has {field} of dtype "
           f"{got[1]} and shape {got[0]}; its format stores {field} as {need.dtype}"
           f"{tuple(need.shape)}. Make the state with the optimizer's `init`, or load it with "
-          "ak.load_state_dict(flat, tx.init(params)).")
+          "ak.load_state_dict(flat, tx.init(params))."
+          + (" (adamkit 0.2 stored these codes as (..., blocks, block): the same bytes in C "
+             f"order, so `codes.reshape({tuple(need.shape)})` converts them.)"
+             if field == "codes" and _quant.leaf_layout(tuple(q.shape), q.fmt.block_size)
+             and int(np.prod(got[0])) == int(np.prod(need.shape)) else ""))
 
 
 def _bad_codes(codes: np.ndarray, fmt: Any) -> np.ndarray:

@@ -250,6 +250,20 @@ def test_chain_form_names_the_field_and_leaf_of_a_bad_codes_or_scales_array(name
     jax.jit(tx.update)(grads, broken, params)
 
 
+def test_codes_of_the_old_blocked_layout_are_refused_with_the_reshape_that_converts_them():
+  """adamkit 0.2 stored the codes of a leaf whose last axis is whole blocks as ``(...,
+  blocks, block)``; now in the leaf's shape (the same bytes). An old state is refused, the
+  message giving the reshape, which steps exactly as the new state does."""
+  tx = ak.adamw(1e-2, mu_dtype=q("8bit"), nu_dtype=q("8bit"))
+  params, grads, state = stepped(tx)
+  w = params["w"].shape
+  old = edit(state, "nu", codes=lambda c: c.reshape(w[:-1] + (w[-1] // 256, 256)))
+  with pytest.raises(ValueError, match=re.escape(f"`codes.reshape({tuple(w)})` converts")):
+    tx.update(grads, old, params)
+  fixed = edit(old, "nu", codes=lambda c: c.reshape(w))
+  assert_same_step(tx, params, grads, fixed, state)
+
+
 def swap_moments(state):
   """``state`` with its first and second moments swapped (an importer's mix-up)."""
   if hasattr(state, "_fields"):

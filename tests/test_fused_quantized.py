@@ -366,7 +366,8 @@ def test_4bit_first_moment_codes_are_the_dither_reference(multi_tensor):
         (at,) = [at for leaf, _, _, at in state.mu.slots if leaf == name]
         buf = state.mu["4bit"]
         n = -(-x.size // 64)
-        codes, scales = buf.codes[at // 64:at // 64 + n], buf.scales[at // 64:at // 64 + n]
+        codes = _quant.code_blocks(buf)[at // 64:at // 64 + n]
+        scales = buf.scales[at // 64:at // 64 + n]
       else:
         codes, scales = state.mu[name].codes, state.mu[name].scales
       codes = np.asarray(codes).reshape(-1, 32).astype(int)
@@ -540,10 +541,9 @@ def _leaf_moment(moments, name, params):
   buf = moments[key]
   shape = tuple(params[name].shape)
   block = buf.fmt.block_size
-  lead = _quant.blocked_shape(shape, block)[:-1]
-  first, n = at // block, int(np.prod(lead))
-  return _quant.QuantizedArray(buf.codes[first:first + n].reshape(lead + buf.codes.shape[-1:]),
-                               buf.scales[first:first + n].reshape(lead), shape, buf.fmt)
+  first, n = at // block, _quant.stored_layout(shape, buf.fmt).scales.size
+  return _quant.from_code_blocks(_quant.code_blocks(buf)[first:first + n],
+                                 buf.scales[first:first + n], shape, buf.fmt)
 
 
 LAZY_CASES = [  # fused step, its sparse reference, options

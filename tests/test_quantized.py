@@ -179,7 +179,7 @@ def _np_quantize(x, kind, role, block, step=None):
 def _np_decode(q):
   """An adamkit QuantizedArray read back in float64 by NumPy, from its codes and scales."""
   codes, scales, fmt = np.asarray(q.codes), np.asarray(q.scales, np.float64), q.fmt
-  codes = codes.reshape(-1, codes.shape[-1])
+  codes = codes.reshape(scales.size, -1)  # a row of bytes per block
   if fmt.kind == "4bit":  # two codes per byte, the even element in the low nibble
     codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
   if fmt.kind == "fp8":
@@ -298,7 +298,7 @@ def test_layouts_padding_and_min_size():
                                                                                     jnp.bfloat16)}
   state = ak.scale_by_adam(mu_dtype=ak.Quantized("8bit", min_size=1000), nu_dtype="4bit").init(params)
   big, odd = state.mu["big"], state.mu["odd"]
-  assert big.codes.shape == (16, 2, 256) and big.scales.shape == (16, 2)  # keeps the rows
+  assert big.codes.shape == (16, 512) and big.scales.shape == (16, 2)  # the leaf's shape
   assert odd.codes.shape == (19, 256) and odd.scales.shape == (19,)  # 4773 -> 19 blocks
   assert state.nu["odd"].codes.shape == (19, 128)  # 4-bit: two codes a byte
   # under min_size: float32 moments, whatever the param's dtype

@@ -113,8 +113,10 @@ def ref_quantize(x, kind, role, block, ids=None, step=None):
 
 def ref_decode(q):
   """A QuantizedArray of a 2-D table read back with the reference's code books (the
-  layout: codes (N, D/B, B) or (N, 1, D); 4-bit codes two per byte, low nibble first)."""
+  layout: codes (N, D), or (N, D/2) for 4-bit, two per byte, low nibble first; a row of
+  D/B scales)."""
   codes, scales = np.asarray(q.codes), np.asarray(q.scales, np.float64)
+  codes = codes.reshape(scales.shape + (-1,))  # a row of bytes per block
   kind, role = q.fmt.kind, q.fmt.role
   if kind == "4bit":
     codes = np.stack([codes & 0xF, codes >> 4], -1).reshape(*codes.shape[:-1], -1)
@@ -181,10 +183,10 @@ def assert_stored_close(got, want, exact, kind, role, block, what):
 
 
 @pytest.mark.parametrize("d,block,codes,scales", [
-    (64, None, (100, 1, 64), (100, 1)),  # rows shorter than the block: one scale per row
-    (100, None, (100, 1, 100), (100, 1)),  # any row length
-    (512, None, (100, 2, 256), (100, 2)),  # the block divides the row: blocks within rows
-    (64, 32, (100, 2, 32), (100, 2)),
+    (64, None, (100, 64), (100, 1)),  # rows shorter than the block: one scale per row
+    (100, None, (100, 100), (100, 1)),  # any row length; the codes keep the table's shape
+    (512, None, (100, 512), (100, 2)),  # the block divides the row: blocks within rows
+    (64, 32, (100, 64), (100, 2)),
 ])
 def test_table_layout_one_block_per_row_or_within_rows(d, block, codes, scales):
   state = ak.scale_by_sparse_adam(mu_dtype=fmt("8bit", block), nu_dtype=fmt("8bit", block)).init(
@@ -195,7 +197,7 @@ def test_table_layout_one_block_per_row_or_within_rows(d, block, codes, scales):
     assert q.shape == (100, d)
   q4 = ak.scale_by_sparse_adam(mu_dtype=fmt("4bit", block)).init({"e": jnp.zeros((100, d))}).mu["e"]
   b = q4.fmt.block_size  # 4-bit's first moment: blocks of 128 by default
-  assert q4.codes.shape == (100, d // b, b // 2) and q4.scales.shape == (100, d // b)
+  assert q4.codes.shape == (100, d // 2) and q4.scales.shape == (100, d // b)
 
 
 @pytest.mark.parametrize("kind,d,most", [("8bit", 64, 2.2), ("8bit", 128, 2.07),
@@ -222,7 +224,7 @@ def test_small_rows_keep_their_own_scale():
 def test_min_size_keeps_small_leaves_float32():
   tx = ak.sparse_adam(0.1, mu_dtype="8bit", nu_dtype="8bit")  # min_size 4096
   state = _moments(tx.init({"big": jnp.zeros((64, 64)), "small": jnp.zeros((63, 64))}))
-  assert state.mu["big"].codes.shape == (64, 1, 64)
+  assert state.mu["big"].codes.shape == (64, 64) and state.mu["big"].scales.shape == (64, 1)
   assert state.mu["small"].dtype == jnp.float32 and state.mu["small"].shape == (63, 64)
 
 
@@ -582,8 +584,8 @@ def test_offloaded_state_moves_only_the_touched_rows_codes():
   moved = transfers(step_with(tx), params, tx.init(params), ids0)
   for direction in ("to_device", "to_host"):
     shapes = [a.shape for a in moved[direction]]
-    assert (n, 1, d) not in shapes and (n, 1) not in shapes, shapes
-    assert shapes.count((4, 1, d)) == 2 and shapes.count((4, 1)) == 2, shapes  # m, v rows
+    assert (n, d) not in shapes and (n, 1) not in shapes, shapes
+    assert shapes.count((4, d)) == 2 and shapes.count((4, 1)) == 2, shapes  # m, v rows
   rp, rs = params, ref.init(params)
   p = jax.tree.map(jnp.copy, params)
   s = tx.init(p)
