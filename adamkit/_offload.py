@@ -673,9 +673,8 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
       whole (``None``) on a CPU (host and device memory are one RAM), on a GPU (XLA does
       not compile the streamed step for a GPU target yet), on a mesh (the pieces of a
       sharded leaf are each one device's, and XLA's partitioner moves them: more device
-      memory than staging whole), for quantized moments (XLA:TPU does not compile all
-      their streamed steps yet: 4-bit ones, 8-bit ones of a transformer-shaped tree; an
-      int streams those that compile) and for a :class:`adamkit.FusedStep` (its one-pass
+      memory than staging whole), for quantized moments (XLA:TPU does not compile their
+      streamed steps yet; an int is accepted, and XLA's error raised) and for a :class:`adamkit.FusedStep` (its one-pass
       kernel is not cut; an int there is refused).
 
   Returns:
@@ -851,8 +850,8 @@ def _auto_chunk_bytes(updates, state, params, init, with_bytes):
   quantized moments is compiled for one TPU chip; the whole state at once elsewhere. On a
   CPU host and device memory are one RAM. XLA (jax 0.12) does not compile the streamed
   step for a GPU target (its host copies: "INTERNAL: Copy-start ... has host memory space
-  on both sides"), nor for a TPU where quantized codes stream beside other leaves (an
-  async host call's shapes: 4-bit moments, 8-bit ones of a transformer-shaped tree). On a
+  on both sides"), nor for a TPU where quantized codes stream (an async host call's
+  shapes, for every quantized format since the codes keep the leaf's shape). On a
   mesh the pieces of a sharded leaf are each one device's, which XLA's partitioner moves
   between devices: more device memory than the whole state (docs/offload.md).
   Concrete arrays tell their devices; inside ``jit`` the steps are traced and

@@ -736,9 +736,16 @@ def dequantize(q: QuantizedArray) -> jax.Array:
   whose codes keep its shape is decoded in that shape (see :func:`_decode_in_place`)."""
   from adamkit import _backend  # noqa: PLC0415 (it imports this module)
   blocked = lambda: _from_blocks(decode_blocks(code_blocks(q), q.scales, q.fmt), q.shape)  # noqa: E731
-  if not leaf_layout(q.shape, q.fmt.block_size) or q.fmt.packed:
+  if (not leaf_layout(q.shape, q.fmt.block_size) or q.fmt.packed
+      or q.shape[-1] ** 2 // q.fmt.block_size > SPREAD_MAX):
     return blocked()
   return _backend.on_tpu(lambda: _decode_in_place(q), blocked)
+
+
+# The largest 0/1 matrix (elements) that _decode_in_place spreads scales with: rows of up to
+# 16384 elements in blocks of 256 (a 4 MiB constant of the program); longer rows, whose
+# matrix grows as the square of the row, are decoded in blocks.
+SPREAD_MAX = 1 << 20
 
 
 def _decode_in_place(q: QuantizedArray) -> jax.Array:

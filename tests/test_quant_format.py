@@ -5,6 +5,8 @@ formula, the nearest code by brute force over the book, the float8 e4m3 numbers 
 ``ml_dtypes`` (NumPy's float8 type that JAX itself uses).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -442,3 +444,19 @@ def test_init_moment_min_size():
   assert Q.init_moment(small, Q.Quantized("8bit"), "mu").dtype == jnp.float32
   assert isinstance(Q.init_moment(big, Q.Quantized("8bit"), "mu"), Q.QuantizedArray)
   assert isinstance(Q.init_moment(small, Q.Quantized("8bit", min_size=0), "mu"), Q.QuantizedArray)
+
+
+@pytest.mark.parametrize("kind,role", [(k, r) for k, r in KIND_ROLES if k != "4bit"])
+def test_decode_in_place_equals_the_blocked_decode(kind, role):
+  """The TPU's decode (codes in the leaf's shape, each block's scale spread by a 0/1 matmul)
+  reads back what the blocked decode reads, bit for bit, a corrupted scale's block as zeros
+  (it must not spread a NaN over the row). Run here on the CPU, the same float32 maths."""
+  f = fmt(kind, role, 128)
+  x = jax.random.normal(jax.random.key(3), (6, 512)) * jnp.logspace(-6, 2, 512)
+  q = Q.quantize(jnp.abs(x) if role == "nu" else x, f, step=1)
+  q = dataclasses.replace(q, scales=q.scales.at[1, 2].set(jnp.nan).at[4, 0].set(-1.0)
+                          .at[5, 3].set(jnp.inf))
+  blocked = Q._from_blocks(Q.decode_blocks(Q.code_blocks(q), q.scales, q.fmt), q.shape)
+  got = jax.jit(Q._decode_in_place)(q)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(blocked))
+  assert np.all(np.asarray(got)[1, 256:384] == 0) and np.isfinite(np.asarray(got)).all()
