@@ -674,8 +674,8 @@ def offload(tx: optax.GradientTransformation | FusedStep, *, mode: str = "state"
       not compile the streamed step for a GPU target yet), on a mesh (the pieces of a
       sharded leaf are each one device's, and XLA's partitioner moves them: more device
       memory than staging whole), for quantized moments (XLA:TPU does not compile their
-      streamed steps yet; an int is accepted, and XLA's error raised) and for a :class:`adamkit.FusedStep` (its one-pass
-      kernel is not cut; an int there is refused).
+      streamed steps yet; an int is accepted, and XLA's error raised) and for a
+      :class:`adamkit.FusedStep` (its one-pass kernel is not cut; an int there is refused).
 
   Returns:
     A :class:`adamkit.FusedStep` (an ``optax.GradientTransformationExtraArgs`` with a
