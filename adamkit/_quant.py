@@ -766,7 +766,6 @@ def _decode_in_place(q: QuantizedArray) -> jax.Array:
   return x
 
 
-
 def zeros(shape: tuple, fmt: Format) -> QuantizedArray:
   """The quantized zeros of ``shape`` (every code reads back 0, every scale the floor)."""
   bshape = blocked_shape(tuple(shape), fmt.block_size)
