@@ -828,7 +828,7 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
     >>> opt = ak.fused_adam(0.1, mu_dtype="8bit", nu_dtype="8bit")  # 2.03 bytes per param
     >>> state = opt.init({"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)})
     >>> state.mu["8bit"].codes.dtype, state.mu["8bit"].codes.shape, state.mu["float32"].shape
-    (dtype('uint8'), (16384,), (256,))
+    (dtype('uint8'), (64, 256), (256,))
 
   References:
     DeepSpeed ``DeepSpeedCPUAdam`` (a one-pass CPU Adam for offloading) and

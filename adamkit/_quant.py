@@ -529,14 +529,15 @@ class QuantizedArray:
   :func:`dequantize` to ``shape``.
 
   ``codes`` is uint8 (``"8bit"``, ``"fp8"``: one code per byte; ``"4bit"``: two, the
-  even element in the low nibble). When the leaf's last axis is a multiple of the block,
-  the codes keep the leaf's shape (the last axis halved for 4-bit) and ``scales`` is
+  even element in the low nibble). When the leaf has two axes or more and its last axis is
+  a multiple of the block, the codes keep the leaf's shape (the last axis halved for 4-bit) and ``scales`` is
   ``shape[:-1] + (blocks,)``: block ``j`` of a row is its elements ``[j B, (j + 1) B)``,
   so an elementwise step reads the codes in the leaf's own layout (on a TPU, whose arrays
   are tiled over their last two axes, a ``(rows, blocks, block)`` array is a different
-  layout and every reshape to the leaf's shape is a copy). Otherwise the leaf is flattened
-  and padded to whole blocks: codes ``(blocks, block_size)`` (``block_size // 2`` bytes for
-  4-bit), scales ``(blocks,)``. Either way the bytes are the same, in C order;
+  layout and every reshape to the leaf's shape is a copy). A vector whose length is a
+  multiple of the block keeps codes ``(blocks, block_size)`` (``block_size // 2`` bytes
+  for 4-bit) and scales ``(blocks,)``; any other leaf is flattened and padded to whole
+  blocks, laid out the same way. Either way the bytes are the same, in C order;
   :func:`code_blocks` views the codes as one row per scale.
   """
 
@@ -575,9 +576,9 @@ def blocked_shape(shape: tuple, block: int) -> tuple:
 
 
 def leaf_layout(shape: tuple, block: int) -> bool:
-  """Whether a moment of ``shape`` keeps its codes in the leaf's shape (its last axis a
-  multiple of ``block``; see :class:`QuantizedArray`)."""
-  return bool(shape) and shape[-1] > 0 and shape[-1] % block == 0
+  """Whether a moment of ``shape`` keeps its codes in the leaf's shape: a matrix or more
+  whose last axis is a multiple of ``block`` (see :class:`QuantizedArray`)."""
+  return len(shape) >= 2 and shape[-1] > 0 and shape[-1] % block == 0
 
 
 def code_width(fmt: Format) -> int:
@@ -870,11 +871,12 @@ def place_like(q: QuantizedArray, p: Any) -> QuantizedArray:
     size = lambda axes: math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple)  # noqa: E731
                                                           else (axes,)))
     lead = q.scales.ndim - 1  # the leaf's axes that codes and scales keep
-    if leaf_layout(q.shape, q.fmt.block_size):  # codes in the leaf's shape
+    if q.shape and q.shape[-1] > 0 and q.shape[-1] % q.fmt.block_size == 0:
       blocks = spec[-1] if spec[-1] is not None and q.scales.shape[-1] % size(spec[-1]) == 0 \
           else None
       s_spec = spec[:lead] + (blocks,)
-      c_spec = s_spec
+      # codes in the leaf's shape split as the scales; a vector's (blocks, block) by blocks
+      c_spec = s_spec if leaf_layout(q.shape, q.fmt.block_size) else s_spec + (None,)
     else:
       # (rows, one block each) or the flattened leaf
       s_spec = spec[:1] if rows_apart(q.shape, q.fmt) else (None,) * q.scales.ndim

@@ -152,8 +152,9 @@ def _strided_rows(g: jax.Array, quant: list, block: int, chunk: int) -> _Rows | 
 
 
 def _lead_layout(q) -> bool:
-  """Whether ``q``'s codes keep the leaf's shape (no padding)."""
-  return _quant.leaf_layout(q.shape, q.fmt.block_size)
+  """Whether ``q``'s codes keep the leaf's leading axes (no padding): the leaf's shape,
+  or a vector's ``(blocks, block)``."""
+  return len(q.shape) >= 1 and q.shape[-1] > 0 and q.shape[-1] % q.fmt.block_size == 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -193,7 +194,7 @@ class _Rows:
 
   def codes(self, q) -> tuple[jax.Array, jax.Array]:
     """``q``'s codes and scales with axis 0 the leaf's rows (the codes in the leaf's
-    shape, a 1-D leaf's as ``(rows, bytes of a block)``)."""
+    shape; a vector's ``(blocks, block)``, one row a block)."""
     if self.ndim >= 2:
       return q.codes, q.scales
     return q.codes.reshape(self.rows, -1), q.scales.reshape(self.rows, -1)
@@ -277,9 +278,8 @@ def _contiguous(moments, g, olds, block: int, count, in_place: bool) -> list:
     read, olds_in = (_read, outs) if in_place else (lax.dynamic_slice_in_dim, ins)
     for o, x, src in zip(olds, ins, olds_in):
       if _quant.is_qarray(o):
-        b, n_b = o.fmt.block_size, -(-length // o.fmt.block_size)
-        codes = _read_blocks(read, src[0], lo // b, n_b, _quant.code_width(o.fmt))
-        scales = read(src[1], lo // b, n_b)
+        b = o.fmt.block_size
+        codes, scales = (read(a, lo // b, -(-length // b)) for a in src)
         ocs.append(_quant.decode_blocks(codes, scales, o.fmt).reshape(-1)[:length])
       else:
         ocs.append(lax.dynamic_slice_in_dim(x, lo, length).astype(gc.dtype))
@@ -295,8 +295,9 @@ def _contiguous(moments, g, olds, block: int, count, in_place: bool) -> list:
     return out
 
   def write(outs, lo, news):
-    return [None if out is None else _write_blocks(out, nw, lo // o.fmt.block_size, o.fmt)
-            for out, nw, o in zip(outs, news, olds)]
+    return [None if out is None else tuple(
+        lax.dynamic_update_slice_in_dim(a, x, lo // o.fmt.block_size, 0) for a, x in zip(out, nw))
+        for out, nw, o in zip(outs, news, olds)]
 
   outs = [(x if in_place else tuple(map(_compat.zeros_like, x))) if _quant.is_qarray(o)
           else None for o, x in zip(olds, ins)]
@@ -403,9 +404,8 @@ def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
     olds = []
     for b, x, s0 in zip(bufs, outs, starts):
       if _quant.is_qarray(b):
-        k, n_b = b.fmt.block_size, -(-length // b.fmt.block_size)
-        codes = _read_blocks(_read, x[0], s0 + lo // k, n_b, _quant.code_width(b.fmt))
-        scales = _read(x[1], s0 + lo // k, n_b)
+        k = b.fmt.block_size
+        codes, scales = (_read(a, s0 + lo // k, -(-length // k)) for a in x)
         olds.append(_quant.decode_blocks(codes, scales, b.fmt).reshape(-1)[:length])
       else:
         olds.append(_read(x, s0 + lo, length))
@@ -417,7 +417,8 @@ def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
         nw = jnp.pad(nw, (0, -length % k)) if length % k else nw
         enc = _encode(nw, b.fmt, count, lambda nw=nw: _quant.positions(
             nw.shape, jnp.asarray(lo).astype(jnp.uint32)))
-        written.append(_write_blocks(x, enc, s0 + lo // k, b.fmt))
+        written.append(tuple(lax.dynamic_update_slice_in_dim(a, y, s0 + lo // k, 0)
+                             for a, y in zip(x, enc)))
       else:
         written.append(lax.dynamic_update_slice_in_dim(x, nw.astype(x.dtype), s0 + lo, 0))
     return lax.dynamic_update_slice_in_dim(ps, new_p.astype(ps.dtype), lo, 0), written
@@ -446,31 +447,9 @@ def _stored(olds, outs) -> list:
 
 
 def _flat_blocks(q) -> tuple[jax.Array, jax.Array]:
-  """``q``'s codes and scales as the contiguous loops read them: the scales flat, the
-  codes as stored when they are one row of bytes per block or one run of bytes (a 1-D
-  leaf, a flat multi-tensor buffer), else reshaped to one row per block (a copy on a TPU,
-  which tiles the last two axes of the leaf-shaped codes)."""
-  codes = q.codes if q.codes.ndim == 1 else _quant.code_blocks(q).reshape(q.scales.size, -1)
-  return codes, q.scales.reshape(-1)
-
-
-def _read_blocks(read: Callable, codes: jax.Array, first, count: int, width: int) -> jax.Array:
-  """The codes of blocks ``[first, first + count)`` as ``(count, width)``, by ``read(a,
-  start, length)`` on axis 0 of :func:`_flat_blocks`' codes (rows of blocks, or bytes)."""
-  if codes.ndim == 1:
-    return read(codes, first * width, count * width).reshape(count, width)
-  return read(codes, first, count)
-
-
-def _write_blocks(out: tuple, new: tuple, first, fmt) -> tuple:
-  """``out`` (codes and scales, as :func:`_flat_blocks` gives them) with ``new``'s blocks
-  (``(count, width)`` codes, scales) written from block ``first``."""
-  codes, scales = out
-  if codes.ndim == 1:
-    codes = lax.dynamic_update_slice_in_dim(codes, new[0].reshape(-1), first * _quant.code_width(fmt), 0)
-  else:
-    codes = lax.dynamic_update_slice_in_dim(codes, new[0], first, 0)
-  return codes, lax.dynamic_update_slice_in_dim(scales, new[1], first, 0)
+  """``q``'s codes as one row of bytes per block and its scales, flat: the contiguous
+  loops' view (a reshape, which on a TPU copies codes kept in a matrix's shape)."""
+  return _quant.code_blocks(q).reshape(q.scales.size, -1), q.scales.reshape(-1)
 
 
 def _blocked(x: jax.Array, block: int) -> jax.Array:
@@ -548,7 +527,8 @@ def shardings_like(m, sharding: jax.sharding.Sharding, memory_kind: str | None =
     if not _lead_layout(m):
       return _quant.QuantizedArray(named((None, None), m.codes.shape),
                                    named((None,), m.scales.shape), m.shape, m.fmt)
-    # codes in the leaf's shape: split as the scales are, whole blocks to a device
+    # split as the scales are (whole blocks to a device): codes in the leaf's shape, or
+    # a vector's (blocks, block) by blocks
     spec = tuple(sharding.spec) + (None,) * (len(m.shape) - len(sharding.spec))
     scales = named(spec, m.scales.shape)
     return _quant.QuantizedArray(scales, scales, m.shape, m.fmt)

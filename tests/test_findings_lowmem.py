@@ -120,7 +120,7 @@ def test_a_code_is_accepted_exactly_when_it_reads_back_inside_its_range(kind, ro
   decoder reads it back within [-1, 1] (first moment) or [0, 1] (second moment)."""
   fmt = _quant.Format(kind, role, 2)
   for byte in range(256):
-    codes = jnp.full((1,) if fmt.packed else (2,), byte, jnp.uint8)  # the leaf's shape
+    codes = jnp.full((1, 1), byte, jnp.uint8) if fmt.packed else jnp.full((1, 2), byte, jnp.uint8)
     arr = _quant.QuantizedArray(codes, jnp.ones(1, jnp.float32), (2,), fmt)
     r = np.asarray(_quant._decode(_quant._unpack4(codes, 2) if fmt.packed else codes, fmt))
     if role == "nu" and kind != "8bit":

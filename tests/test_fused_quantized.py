@@ -110,7 +110,7 @@ def test_kernel_codes_in_multi_leaf_calls_with_partial_blocks(kernel):
   state = []
   for fmt in fmts:
     z = _quant.zeros((blocks * 256 + 512,), fmt)  # two spare blocks, left untouched
-    state.append(ffi.Codes(z.codes.at[-1].set(7), z.scales.at[-1].set(3.0),
+    state.append(ffi.Codes(_quant.code_blocks(z).at[-1].set(7), z.scales.at[-1].set(3.0),
                            _quant.code_book("8bit", fmt.role), _quant.kernel_midpoints(fmt)))
   s = ffi.scalars("hat", b1=0.0, b2=0.0, eps=1e-8, lr=0.1, wd=0.0, bc1=1.0, bc2=1.0)
   _, out = jax.jit(functools.partial(ffi.dense_step_quantized, ffi.Variant("hat"),
