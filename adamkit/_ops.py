@@ -369,9 +369,9 @@ def _leaf_codes(buf, at: int, size: int, length: int):
   """The whole blocks of the leaf of ``size`` elements held in the flat quantized ``buf``
   from element ``at``, as a flat quantized array of ``length`` elements."""
   first, blocks = at // buf.fmt.block_size, -(-size // buf.fmt.block_size)
-  return _quant.from_code_blocks(
-      lax.slice_in_dim(_quant.code_blocks(buf), first, first + blocks),
-      lax.slice_in_dim(buf.scales, first, first + blocks), (length,), buf.fmt)
+  return _quant.QuantizedArray(lax.slice_in_dim(buf.codes, first, first + blocks),
+                               lax.slice_in_dim(buf.scales, first, first + blocks),
+                               (length,), buf.fmt)
 
 
 def _store(buf, at: int | None, x, step):
@@ -388,11 +388,10 @@ def _put_codes(buf, at: int, leaf):
   """The flat quantized ``buf`` with the quantized ``leaf``'s codes and scales written
   from element ``at`` (a block's start)."""
   first = at // buf.fmt.block_size
-  codes = lax.dynamic_update_slice(_quant.code_blocks(buf),
-                                   _quant.code_blocks(leaf).reshape(-1, _quant.code_width(buf.fmt)),
+  codes = lax.dynamic_update_slice(buf.codes, leaf.codes.reshape((-1,) + buf.codes.shape[1:]),
                                    (first, 0))
   scales = lax.dynamic_update_slice(buf.scales, leaf.scales.reshape(-1), (first,))
-  return dataclasses.replace(buf, codes=codes.reshape(buf.codes.shape), scales=scales)
+  return dataclasses.replace(buf, codes=codes, scales=scales)
 
 
 def _dense_quantized(h: Hyper, params, grads, state, offsets, flat: bool, decay: bool,

@@ -179,11 +179,12 @@ class _Rows:
     # contiguous chunks instead.
     fits = lambda r: (8 * r * row_size >= min(chunk, self.rows * row_size)  # noqa: E731
                       and r * row_size <= 8 * chunk)
-    r = max(d for d in _divisors(self.rows) if d * row_size <= chunk) if row_size <= chunk else 1
+    divisors = _divisors(self.rows)
+    r = max(d for d in divisors if d * row_size <= chunk) if row_size <= chunk else 1
     # Where it fits, ``K`` a multiple of TILE_ROWS: the chunks' axis is then the
     # second-to-last of a leaf's codes seen as ``(r, K, row)``, which a TPU tiles, and the
     # view is the same tiled bytes (otherwise XLA copies the whole codes into it).
-    tiled = [d for d in _divisors(self.rows) if (self.rows // d) % TILE_ROWS == 0
+    tiled = [d for d in divisors if (self.rows // d) % TILE_ROWS == 0
              and d * row_size <= chunk and fits(d)]
     r = max(tiled) if tiled and len(self.row) == 1 else r
     self.plan = (r, self.rows // r) if fits(r) else None
