@@ -37,10 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
-import importlib.metadata
-import importlib.util
-import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adamkit import _quant
+from adamkit import _platform, _quant
 from adamkit._tree import is_tracer
 
 try:  # the native backend is optional: a pure-JAX install has no adamkit/_cpu
@@ -181,15 +177,15 @@ def lowering_for(platform: str | None):
 
 def by_platform(fn: Callable[[], Any], *arrays: Any) -> Any:
   """``fn()``, traced once per platform under :func:`lowering_for` where ``arrays`` are
-  traced on a one-CPU process (the platform is the lowering's: :func:`on_cpu` keeps one
-  trace), else once."""
+  traced on a one-CPU process (the platform is the lowering's:
+  :func:`adamkit._platform.on_cpu` keeps one trace), else once."""
   if _LOWERING.get() is not None or placement(*arrays) != TRACED_ONE_CPU:
     return fn()
 
   def on(platform):
     with lowering_for(platform):
       return fn()
-  return on_cpu(lambda: on("cpu"), lambda: on("other"))
+  return _platform.on_cpu(lambda: on("cpu"), lambda: on("other"))
 
 
 NOW, TARGET = "now", "target"  # use_kernel's yes: the kernel itself, or by the target
@@ -198,59 +194,9 @@ NOW, TARGET = "now", "target"  # use_kernel's yes: the kernel itself, or by the 
 def run(choice: Any, kernel: Callable[[], Any], xla: Callable[[], Any]) -> Any:
   """``kernel()`` or ``xla()`` (same outputs) as :func:`use_kernel` chose: ``xla()`` for
   ``False``, ``kernel()`` for ``NOW``, and for ``TARGET`` whichever the platform the
-  program is lowered for takes (:func:`on_cpu`)."""
+  program is lowered for takes (:func:`adamkit._platform.on_cpu`)."""
   if not choice:
     return xla()
   if choice == NOW:
     return kernel()
-  return on_cpu(kernel, xla)
-
-
-def on_cpu(cpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
-  """``cpu()`` where the program is compiled for a CPU, ``other()`` where it is compiled
-  for a TPU or GPU (both traced; ``jax.lax.platform_dependent`` keeps the one of the
-  lowering platform, outside ``jit`` the default backend's). Their outputs must have the
-  same structure, shapes and dtypes."""
-  return jax.lax.platform_dependent(cpu=cpu, default=other)
-
-
-def on_gpu(gpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
-  """``gpu()`` where the program is compiled for an NVIDIA or AMD GPU, ``other()``
-  elsewhere, as :func:`on_cpu` picks (same output structure). Both are traced only where
-  this process can compile for a GPU (:func:`gpu_compilable`); elsewhere ``other()``
-  alone, which saves the second trace."""
-  if not gpu_compilable():
-    return other()
-  return jax.lax.platform_dependent(cuda=gpu, rocm=gpu, default=other)
-
-
-def on_accelerator(accelerator: Callable[[], Any], cpu: Callable[[], Any]) -> Any:
-  """``accelerator()`` where the program is compiled for a GPU or a TPU, ``cpu()``
-  elsewhere (as :func:`on_gpu`; each branch traced only where it can be compiled)."""
-  return on_tpu(accelerator, lambda: on_gpu(accelerator, cpu))
-
-
-def on_tpu(tpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
-  """``tpu()`` where the program is compiled for a TPU, ``other()`` elsewhere (as
-  :func:`on_gpu`). Both are traced only where this process can compile for a TPU
-  (``libtpu`` installed, :func:`tpu_compilable`)."""
-  if not tpu_compilable():
-    return other()
-  return jax.lax.platform_dependent(tpu=tpu, default=other)
-
-
-@functools.cache
-def tpu_compilable() -> bool:
-  """Whether ``libtpu`` is installed: without it JAX cannot lower a program for a TPU."""
-  return importlib.util.find_spec("libtpu") is not None
-
-
-@functools.cache
-def gpu_compilable() -> bool:
-  """Whether a CUDA or ROCm PJRT plugin is installed: without one JAX cannot lower a
-  program for a GPU, with or without the device (deviceless compiles need it too)."""
-  names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
-  spec = importlib.util.find_spec("jax_plugins")
-  if spec is not None and spec.submodule_search_locations:
-    names += [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]
-  return any(k in name for name in names for k in ("cuda", "rocm"))
+  return _platform.on_cpu(kernel, xla)

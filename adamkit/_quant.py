@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adamkit import _platform
+
 KINDS = ("8bit", "4bit", "fp8")
 ROLES = ("mu", "nu")  # signed first moment; non-negative second moment (or AdaMax's norm)
 SCALE_FLOOR = 1e-12  # the smallest block scale (torchao's floor), so 0/scale stays 0
@@ -592,6 +594,13 @@ def code_blocks(q: QuantizedArray) -> jax.Array:
   return q.codes.reshape(q.scales.shape + (code_width(q.fmt),))
 
 
+def flat_blocks(q: QuantizedArray) -> tuple[jax.Array, jax.Array]:
+  """``q``'s codes as ``(blocks, width)``, one row per block, and its scales ``(blocks,)``,
+  in C order: the contiguous loops' view (a reshape, which on a TPU copies codes kept in
+  a matrix's shape)."""
+  return code_blocks(q).reshape(q.scales.size, -1), q.scales.reshape(-1)
+
+
 def from_code_blocks(codes: jax.Array, scales: jax.Array, shape: tuple,
                      fmt: Format) -> QuantizedArray:
   """The :class:`QuantizedArray` of ``shape`` whose codes (one row per block, any leading
@@ -735,12 +744,11 @@ def quantize(x: jax.Array, fmt: Format, *, step: Any = None,
 def dequantize(q: QuantizedArray) -> jax.Array:
   """The float32 values ``q`` stands for, in the leaf's shape. Compiled for a TPU, a leaf
   whose codes keep its shape is decoded in that shape (see :func:`_decode_in_place`)."""
-  from adamkit import _backend  # noqa: PLC0415 (it imports this module)
   blocked = lambda: _from_blocks(decode_blocks(code_blocks(q), q.scales, q.fmt), q.shape)  # noqa: E731
   if (not leaf_layout(q.shape, q.fmt.block_size) or q.fmt.packed
       or q.shape[-1] ** 2 // q.fmt.block_size > SPREAD_MAX):
     return blocked()
-  return _backend.on_tpu(lambda: _decode_in_place(q), blocked)
+  return _platform.on_tpu(lambda: _decode_in_place(q), blocked)
 
 
 # The largest 0/1 matrix (elements) that _decode_in_place spreads scales with: rows of up to

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from adamkit import _backend, _compat, _quant, _validate
+from adamkit import _backend, _compat, _platform, _quant, _validate
 from adamkit._dtypes import compute_dtype
 from adamkit._tree import is_tracer
 from adamkit._validate import path_name
@@ -138,7 +138,7 @@ def _requantize(moments: Callable, g: jax.Array, olds, count) -> list:
   rows = _strided_rows(g, quant, block, CHUNK)
   loop = (functools.partial(_strided, moments, g, olds, rows, count) if rows is not None
           else functools.partial(_contiguous, moments, g, olds, block, count))
-  return _backend.on_accelerator(lambda: loop(in_place=True), lambda: loop(in_place=False))
+  return _platform.on_accelerator(lambda: loop(in_place=True), lambda: loop(in_place=False))
 
 
 def _strided_rows(g: jax.Array, quant: list, block: int, chunk: int) -> _Rows | None:
@@ -270,7 +270,7 @@ def _contiguous(moments, g, olds, block: int, count, in_place: bool) -> list:
   n = g.size
   size = max(block, CHUNK // block * block)
   flat_g = g.reshape(-1)
-  ins = [_flat_blocks(o) if _quant.is_qarray(o) else o.reshape(-1) for o in olds]
+  ins = [_quant.flat_blocks(o) if _quant.is_qarray(o) else o.reshape(-1) for o in olds]
 
   def part(lo, length: int, outs):
     """The new codes and scales of the elements ``[lo, lo + length)``."""
@@ -396,7 +396,7 @@ def _contiguous_in_place(step, p, g, bufs, at, block: int, count) -> tuple:
   flat_g = g.reshape(-1)
   at = [0 if a is None else a for a in at]
   starts = [a // b.fmt.block_size if _quant.is_qarray(b) else a for b, a in zip(bufs, at)]
-  flat = lambda b: _flat_blocks(b) if _quant.is_qarray(b) else b.reshape(-1)  # noqa: E731
+  flat = lambda b: _quant.flat_blocks(b) if _quant.is_qarray(b) else b.reshape(-1)  # noqa: E731
 
   def part(lo, length: int, carry):
     """The chunk of the elements ``[lo, lo + length)`` stepped and written back."""
@@ -445,12 +445,6 @@ def _stored(olds, outs) -> list:
   return [None if out is None else _quant.QuantizedArray(
       out[0].reshape(o.codes.shape), out[1].reshape(o.scales.shape), o.shape, o.fmt)
       for o, out in zip(olds, outs)]
-
-
-def _flat_blocks(q) -> tuple[jax.Array, jax.Array]:
-  """``q``'s codes as one row of bytes per block and its scales, flat: the contiguous
-  loops' view (a reshape, which on a TPU copies codes kept in a matrix's shape)."""
-  return _quant.code_blocks(q).reshape(q.scales.size, -1), q.scales.reshape(-1)
 
 
 def _blocked(x: jax.Array, block: int) -> jax.Array:

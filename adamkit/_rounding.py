@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from adamkit import _backend, _quant, _validate
+from adamkit import _platform, _quant, _validate
 from adamkit._sparse_types import is_row_sparse, map_values
 from adamkit._tree import path_name, place_scalars_like
 
@@ -292,7 +292,7 @@ def _apart_on_tpu(u: jax.Array) -> jax.Array:
   make one fusion too large for XLA:TPU, which then keeps dozens of leaf-sized broadcasts
   in device memory (237 bytes per parameter of temporaries for a bf16 4096x4096 leaf with
   8-bit moments on a v5e chip, compiled 2026-12-02); ``u`` apart keeps 4."""
-  return _backend.on_tpu(lambda: jax.lax.optimization_barrier(u), lambda: u)
+  return _platform.on_tpu(lambda: jax.lax.optimization_barrier(u), lambda: u)
 
 
 def check_state(method: str, state: Any, what: str) -> None:

@@ -176,11 +176,6 @@ def plan(params_flat, state_flat, own, chunk_bytes: int) -> list[list[Piece]]:
 # ------------------------------------------------------------------- rows of a leaf
 
 
-def _blocks(q) -> tuple:
-  """A quantized leaf's codes ``(blocks, width)`` and scales ``(blocks,)``, C order."""
-  return _quant.code_blocks(q).reshape(q.scales.size, -1), q.scales.reshape(-1)
-
-
 def take(leaf, start: int, stop: int) -> Any:
   """Rows ``[start, stop)`` of a state leaf (a quantized one's blocks with their scales)."""
   if not _quant.is_qarray(leaf):
@@ -191,7 +186,7 @@ def take(leaf, start: int, stop: int) -> Any:
                                  jax.lax.slice_in_dim(leaf.scales, start, stop, axis=0),
                                  shape, leaf.fmt)
   row, b = math.prod(leaf.shape[1:]), leaf.fmt.block_size
-  codes, scales = _blocks(leaf)
+  codes, scales = _quant.flat_blocks(leaf)
   lo, hi = start * row // b, -(-stop * row // b)
   return _quant.from_code_blocks(codes[lo:hi], scales[lo:hi], shape, leaf.fmt)
 
@@ -217,7 +212,7 @@ def concat_rows(a, b) -> Any:
   :func:`_aligned`)."""
   if not _quant.is_qarray(a):
     return jnp.concatenate([a, b.astype(a.dtype)], axis=0)
-  (ca, sa), (cb, sb) = _blocks(a), _blocks(b)
+  (ca, sa), (cb, sb) = _quant.flat_blocks(a), _quant.flat_blocks(b)
   shape = (a.shape[0] + b.shape[0], *a.shape[1:])
   return _quant.from_code_blocks(jnp.concatenate([ca, cb]), jnp.concatenate([sa, sb]), shape,
                                  a.fmt)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import adamkit as ak
-from adamkit import _backend, _compat, _ops
+from adamkit import _backend, _compat, _ops, _platform
 from adamkit._backend import NOT_CPU, ONE_CPU, SPREAD, TRACED_CPU, TRACED_NOT_CPU, TRACED_ONE_CPU
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def test_use_kernel_refuses_what_the_kernel_cannot_take(monkeypatch):
 def test_gpu_branch_is_traced_only_where_a_gpu_can_be_compiled_for(monkeypatch, compilable):
   """``on_gpu`` traces its GPU branch only in a process that has a GPU plugin (without one
   no program can be lowered for a GPU), and the program runs the other branch here."""
-  monkeypatch.setattr(_backend, "gpu_compilable", lambda: compilable)
+  monkeypatch.setattr(_platform, "gpu_compilable", lambda: compilable)
   traced = []
 
   def branch(name, value):
@@ -93,7 +93,7 @@ def test_gpu_branch_is_traced_only_where_a_gpu_can_be_compiled_for(monkeypatch, 
       return jnp.float32(value)
     return fn
 
-  got = jax.jit(lambda: _backend.on_gpu(branch("gpu", 1.0), branch("other", 2.0)))()
+  got = jax.jit(lambda: _platform.on_gpu(branch("gpu", 1.0), branch("other", 2.0)))()
   assert float(got) == 2.0
   assert sorted(traced) == (["gpu", "other"] if compilable else ["other"])
 
@@ -115,11 +115,11 @@ def test_gpu_compilable_reads_the_installed_plugins(monkeypatch, plugins, module
       submodule_search_locations=["x"]) if m == "jax_plugins" else real(m, *a))
   monkeypatch.setattr(pkgutil, "iter_modules",
                       lambda path: [types.SimpleNamespace(name=n) for n in modules])
-  _backend.gpu_compilable.cache_clear()
+  _platform.gpu_compilable.cache_clear()
   try:
-    assert _backend.gpu_compilable() is want
+    assert _platform.gpu_compilable() is want
   finally:
-    _backend.gpu_compilable.cache_clear()
+    _platform.gpu_compilable.cache_clear()
 
 
 def test_library_works_without_its_native_backend(tmp_path):

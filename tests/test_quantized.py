@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from reference import round_4bit_mu
 
 import adamkit as ak
-from adamkit import _backend, _quant, _quant_ops
+from adamkit import _platform, _quant, _quant_ops
 
 MOMENT_STATES = (ak.ScaleByAdamState, ak.ScaleByAmsgradState, ak.ScaleByAdamaxState,
                  ak.FusedAdamState)
@@ -361,7 +361,7 @@ def test_gpu_in_place_loop_stores_what_the_fresh_buffer_loop_does(monkeypatch, s
     params, grads = jax.device_put((params, grads), (where, [where] * 3))
 
   def run(opt, gpu: bool):
-    monkeypatch.setattr(_backend, "on_gpu", (lambda g, o: g()) if gpu else (lambda g, o: o()))
+    monkeypatch.setattr(_platform, "on_gpu", (lambda g, o: g()) if gpu else (lambda g, o: o()))
     step = jax.jit(lambda s, g: opt.update(g, s, params))
     s, us = opt.init(params), []
     for g in grads:
