@@ -95,12 +95,17 @@ def codec_points(role):
   return np.concatenate([pts, -pts]) if role == "mu" else pts
 
 
+ENCODERS_8BIT = {"arithmetic": Q._encode_8bit, "tables": Q._encode_8bit_by_table}  # TPU/GPU, CPU
+
+
+@pytest.mark.parametrize("encoder", ENCODERS_8BIT)
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("role", Q.ROLES)
-def test_8bit_encode_equals_midpoint_count(role, jit):
+def test_8bit_encode_equals_midpoint_count(role, jit, encoder):
   r = codec_points(role)
   want = np.searchsorted(Q._midpoints("8bit", role), r, side="right")  # midpoints <= r
-  enc = jax.jit(Q._encode_8bit, static_argnums=1) if jit else Q._encode_8bit
+  enc = ENCODERS_8BIT[encoder]
+  enc = jax.jit(enc, static_argnums=1) if jit else enc
   got = np.asarray(enc(jnp.asarray(r), role))
   bad = np.flatnonzero(got != want)
   assert bad.size == 0, (r[bad][:5], got[bad][:5], want[bad][:5])
@@ -139,13 +144,14 @@ def test_8bit_decode_is_the_code_book_bit_for_bit(role, jit):
                                 Q.code_book("8bit", role)[codes])
 
 
+@pytest.mark.parametrize("encoder", ENCODERS_8BIT)
 @pytest.mark.parametrize("role", Q.ROLES)
-def test_8bit_encode_of_non_finite_values(role):
+def test_8bit_encode_of_non_finite_values(role, encoder):
   """+-inf: the end codes; NaN as +-inf by its sign bit (the bucket tables' rule; a step
   never encodes either: encode_blocks stores non-finite values as 0)."""
   nan = np.uint32([0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0xFFC00000, 0xFF800001]).view(np.float32)
   r = np.concatenate([np.float32([np.inf, -np.inf]), nan])
-  got = np.asarray(Q._encode_8bit(jnp.asarray(r), role))
+  got = np.asarray(ENCODERS_8BIT[encoder](jnp.asarray(r), role))
   np.testing.assert_array_equal(got, [255, 0, 255, 255, 255, 0, 0])
   codes, _ = Q.encode_blocks(jnp.float32([[np.inf, np.nan, -np.inf, 0.5]]), fmt("8bit", role))
   zero = np.searchsorted(Q._midpoints("8bit", role), 0.0, side="right")
