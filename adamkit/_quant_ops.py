@@ -33,6 +33,8 @@ flattened elements, the last (shorter) chunk stepped on its own.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from collections.abc import Callable
@@ -89,12 +91,37 @@ def leaf_step(step: Callable, g: jax.Array, olds, count: jax.Array,
   if not any(_quant.is_qarray(o) for o in olds):
     return (u, *(n.astype(o.dtype) for n, o in zip(news, olds)))
   # The loop converts each chunk of a low-precision g to the compute dtype (converted whole
-  # before the loop, a bf16 g took 4 bytes per parameter of temporaries)
+  # before the loop, a bf16 g took 4 bytes per parameter of temporaries), also where the
+  # caller widened it (see widened_from)
+  narrow = _narrow_of(g)
   stored = _backend.run(
       _on_kernel(rule, g, olds), lambda: _kernel_requantize(rule, g, olds),
-      lambda: _requantize(lambda gc, *oc: step(gc, *oc)[1:], g, olds, count))
+      lambda: _requantize(lambda gc, *oc: step(gc, *oc)[1:], narrow, olds, count))
   return (u, *(s if _quant.is_qarray(o) else n.astype(o.dtype)
                for s, n, o in zip(stored, news, olds)))
+
+
+_NARROW: contextvars.ContextVar[dict | None] = contextvars.ContextVar("adamkit_narrow", default=None)
+
+
+@contextlib.contextmanager
+def widened_from(pairs: list[tuple[Any, Any]]):
+  """Within: a gradient leaf that is ``wide`` of one of the ``(wide, narrow)`` pairs
+  (``wide`` exactly ``narrow.astype(float32)``, the very array) is read by the loop
+  that stores new quantized moments from ``narrow``, each chunk widened in the loop, so
+  no float32 copy of the whole gradient is kept (``ak.param_rounding`` widens bf16
+  gradients for its inner step; the values are the same)."""
+  token = _NARROW.set({id(w): (w, n) for w, n in pairs})
+  try:
+    yield
+  finally:
+    _NARROW.reset(token)
+
+
+def _narrow_of(g: jax.Array) -> jax.Array:
+  """``g``'s narrow origin under :func:`widened_from`, else ``g``."""
+  pair = (_NARROW.get() or {}).get(id(g))
+  return pair[1] if pair is not None and pair[0] is g else g
 
 
 def _on_kernel(rule: MomentRule | None, g: jax.Array, olds) -> bool:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from adamkit import _platform, _quant, _validate
+from adamkit import _platform, _quant, _quant_ops, _validate
 from adamkit._sparse_types import is_row_sparse, map_values
 from adamkit._tree import path_name, place_scalars_like
 
@@ -524,8 +524,12 @@ def param_rounding(tx: optax.GradientTransformation, method: str, *,
     g_flat = treedef.flatten_up_to(updates)
     low = [is_low(p) for p in p_flat]
     to32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    grads32 = treedef.unflatten([map_values(to32, g) if lo else g for g, lo in zip(g_flat, low)])
-    u32, inner_state = inner.update(grads32, state.inner, view32(params), **extra)
+    wide = [map_values(to32, g) if lo else g for g, lo in zip(g_flat, low)]
+    # the inner step's quantized moments read the narrow gradient chunk by chunk
+    narrow = [(w, g) for w, g, lo in zip(wide, g_flat, low) if lo and not is_row_sparse(g)]
+    with _quant_ops.widened_from(narrow):
+      u32, inner_state = inner.update(treedef.unflatten(wide), state.inner, view32(params),
+                                      **extra)
     u_flat = treedef.flatten_up_to(u32)
     comp_flat = (treedef.flatten_up_to(state.compensation) if method == "kahan"
                  else [None] * len(p_flat))

@@ -61,6 +61,9 @@ FORMATS = {  # name -> (factory, param dtype); "optax": the reference step
     "bf16_kahan": (lambda: ak.param_rounding(ak.adamw(1e-3), "kahan"), jnp.bfloat16),
     "bf16_stochastic_8bit": (lambda: ak.param_rounding(ak.adamw(1e-3, **Q8), "stochastic"),
                              jnp.bfloat16),
+    "bf16_nearest_8bit": (lambda: ak.param_rounding(ak.adamw(1e-3, **Q8), "nearest"),
+                          jnp.bfloat16),
+    "bf16_kahan_8bit": (lambda: ak.param_rounding(ak.adamw(1e-3, **Q8), "kahan"), jnp.bfloat16),
     "fused_8bit": (lambda: ak.fused_adamw(1e-3, **Q8), jnp.float32),
 }
 

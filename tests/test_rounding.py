@@ -355,6 +355,45 @@ def test_inner_sees_float32_and_float32_leaves_pass_through():
       jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.parametrize("kind", ["8bit", "4bit", "fp8"])
+def test_quantized_inner_moments_read_the_narrow_gradient_chunk_by_chunk(monkeypatch, kind):
+  """Over quantized moments, the inner step's loop that stores the new codes reads each
+  bf16 gradient leaf itself, chunk by chunk, instead of the float32 copy param_rounding
+  hands the inner step (a whole-leaf float32 buffer on a GPU): the same updates and state,
+  bit for bit, jitted, for a strided matrix, a leaf of contiguous chunks and a float32
+  leaf beside them."""
+  from adamkit import _quant_ops
+  monkeypatch.setattr(_quant_ops, "_on_kernel", lambda *a: False)  # the loop on a CPU too
+  rng = np.random.default_rng(5)
+  shapes = {"w": (128, 512), "v": (3000,), "f": (64, 256)}
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32 if k == "f" else jnp.bfloat16)
+            for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(rng.normal(size=s), p.dtype) for (k, s), p in
+            zip(shapes.items(), params.values())} for _ in range(3)]
+  q = ak.Quantized(kind, min_size=0)
+  tx = ak.param_rounding(ak.adamw(1e-2, mu_dtype=q, nu_dtype=q), "stochastic")
+  seen = []
+  requantize = _quant_ops._requantize
+  monkeypatch.setattr(_quant_ops, "_requantize", lambda m, g, *a: (
+      seen.append(g.dtype), requantize(m, g, *a))[1])
+
+  def run():
+    step = jax.jit(lambda s, g: tx.update(g, s, params))
+    s, us = tx.init(params), []
+    for g in grads:
+      u, s = step(s, g)
+      us.append(u)
+    return us, s
+
+  narrow = run()
+  assert sorted(map(str, seen)) == ["bfloat16", "bfloat16", "float32"]
+  seen.clear()
+  monkeypatch.setattr(_quant_ops, "_narrow_of", lambda g: g)
+  wide = run()
+  assert sorted(map(str, seen)) == ["float32"] * 3
+  chex.assert_trees_all_equal(narrow, wide)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_state_layout(method):
   params = make_params()
