@@ -760,7 +760,10 @@ def fused_adam(learning_rate: _schedules.ScalarOrSchedule = 1e-3, b1: float = 0.
       runs of up to 32 float32 leaves per kernel call (default ``True``; Paddle
       ``use_multi_tensor``); ``False``: state shaped like the params (and sharded like
       them), one kernel call per leaf of at least 32K elements (smaller leaves: XLA).
-      Params sharded on a mesh with Explicit axes need ``False``.
+      Params sharded on a mesh with Explicit axes need ``False``. On TPUs pass
+      ``False``: the flat buffer is another layout than the params' tiles, and each step
+      copies between them (8-bit moments of a 4096x4096 leaf, compiled for one v5e chip:
+      4.28 bytes per parameter of temporaries against 0; docs/accelerators.md).
     backend: ``"auto"`` (default: the kernel, when built, for float32 leaves computed on
       one CPU device; XLA otherwise, e.g. for params sharded over several devices, whose
       shardings XLA keeps), ``"kernel"`` (error if not built; still XLA for arrays it

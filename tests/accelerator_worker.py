@@ -65,6 +65,7 @@ FORMATS = {  # name -> (factory, param dtype); "optax": the reference step
                           jnp.bfloat16),
     "bf16_kahan_8bit": (lambda: ak.param_rounding(ak.adamw(1e-3, **Q8), "kahan"), jnp.bfloat16),
     "fused_8bit": (lambda: ak.fused_adamw(1e-3, **Q8), jnp.float32),
+    "fused_8bit_per_leaf": (lambda: ak.fused_adamw(1e-3, multi_tensor=False, **Q8), jnp.float32),
 }
 
 

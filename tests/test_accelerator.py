@@ -172,7 +172,8 @@ def test_step_temporaries_per_param(compiled, fmt, target):
 @pytest.mark.parametrize("fmt,target", [
     pytest.param(f, t, marks=_open((f, t, "transformer")))
     for f, t in [("8bit", "v5e:1x1"), ("float32", "v5e:2x2"), ("8bit", "v5e:2x2"), ("4bit", "v5e:2x2"),
-                 ("bf16_stochastic", "v5e:2x2"), ("8bit", "h100"), ("4bit", "h100")]])
+                 ("bf16_stochastic", "v5e:2x2"), ("8bit", "h100"), ("4bit", "h100"),
+                 ("bf16_stochastic_8bit", "h100")]])
 def test_transformer_tree_temporaries(compiled, fmt, target):
   """The same bound on a 23.1M-parameter transformer-shaped tree, on one TPU chip, FSDP
   over a TPU 2x2 mesh and on an H100."""
