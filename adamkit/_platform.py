@@ -24,7 +24,10 @@ def on_cpu(cpu: Callable[[], Any], other: Callable[[], Any]) -> Any:
   """``cpu()`` where the program is compiled for a CPU, ``other()`` where it is compiled
   for a TPU or GPU (both traced; ``jax.lax.platform_dependent`` keeps the one of the
   lowering platform, outside ``jit`` the default backend's). Their outputs must have the
-  same structure, shapes and dtypes."""
+  same structure, shapes and dtypes. Where this process can compile for no other
+  platform (no ``libtpu``, no PJRT plugin) ``cpu()`` alone is traced."""
+  if not tpu_compilable() and not _plugins():
+    return cpu()
   return jax.lax.platform_dependent(cpu=cpu, default=other)
 
 
@@ -63,8 +66,14 @@ def tpu_compilable() -> bool:
 def gpu_compilable() -> bool:
   """Whether a CUDA or ROCm PJRT plugin is installed: without one JAX cannot lower a
   program for a GPU, with or without the device (deviceless compiles need it too)."""
+  return any(k in name for name in _plugins() for k in ("cuda", "rocm"))
+
+
+@functools.cache
+def _plugins() -> tuple[str, ...]:
+  """The names of the PJRT plugins installed (entry points and ``jax_plugins`` modules)."""
   names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
   spec = importlib.util.find_spec("jax_plugins")
   if spec is not None and spec.submodule_search_locations:
     names += [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]
-  return any(k in name for name in names for k in ("cuda", "rocm"))
+  return tuple(names)

@@ -1,6 +1,7 @@
 """The native backend layer: the kernel-or-XLA rule, the operations on either backend, the
 kernels' own buffer checks, shardings kept, and the library without its native backend."""
 
+import functools
 import os
 import pathlib
 import shutil
@@ -80,18 +81,21 @@ def test_use_kernel_refuses_what_the_kernel_cannot_take(monkeypatch):
   assert not _backend.use_kernel("kernel", f32, fits=False)
 
 
+def _branch(traced: list, name: str, value: float):
+  """A branch that records its tracing in ``traced`` and returns ``value``."""
+  def fn():
+    traced.append(name)
+    return jnp.float32(value)
+  return fn
+
+
 @pytest.mark.parametrize("compilable", [False, True])
 def test_gpu_branch_is_traced_only_where_a_gpu_can_be_compiled_for(monkeypatch, compilable):
   """``on_gpu`` traces its GPU branch only in a process that has a GPU plugin (without one
   no program can be lowered for a GPU), and the program runs the other branch here."""
   monkeypatch.setattr(_platform, "gpu_compilable", lambda: compilable)
   traced = []
-
-  def branch(name, value):
-    def fn():
-      traced.append(name)
-      return jnp.float32(value)
-    return fn
+  branch = functools.partial(_branch, traced)
 
   got = jax.jit(lambda: _platform.on_gpu(branch("gpu", 1.0), branch("other", 2.0)))()
   assert float(got) == 2.0
@@ -116,10 +120,27 @@ def test_gpu_compilable_reads_the_installed_plugins(monkeypatch, plugins, module
   monkeypatch.setattr(pkgutil, "iter_modules",
                       lambda path: [types.SimpleNamespace(name=n) for n in modules])
   _platform.gpu_compilable.cache_clear()
+  _platform._plugins.cache_clear()
   try:
     assert _platform.gpu_compilable() is want
   finally:
     _platform.gpu_compilable.cache_clear()
+    _platform._plugins.cache_clear()
+
+
+@pytest.mark.parametrize("tpu,plugins", [(False, ()), (True, ()), (False, ("xla_metal",))])
+def test_cpu_branch_alone_is_traced_where_nothing_else_can_be_compiled_for(
+    monkeypatch, tpu, plugins):
+  """``on_cpu`` traces its other branch only in a process that could lower for another
+  platform (``libtpu`` or any PJRT plugin installed); the program runs the CPU branch."""
+  monkeypatch.setattr(_platform, "tpu_compilable", lambda: tpu)
+  monkeypatch.setattr(_platform, "_plugins", lambda: plugins)
+  traced = []
+  branch = functools.partial(_branch, traced)
+
+  got = jax.jit(lambda: _platform.on_cpu(branch("cpu", 1.0), branch("other", 2.0)))()
+  assert float(got) == 1.0
+  assert sorted(traced) == (["cpu", "other"] if tpu or plugins else ["cpu"])
 
 
 def test_library_works_without_its_native_backend(tmp_path):
