@@ -38,6 +38,7 @@ takes bf16 params over float32 moments.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -531,13 +532,28 @@ def lazy_rows(h: Hyper, g: RowSparse, state, *, table_shape: tuple,
 
   def kernel():
     variant, s = _kernel_args(h)
-    ids, u, new = _backend.native_ffi.sparse_lazy(
-        variant, s, g.indices, g.values, state, row_shape=table_shape[1:],
-        num_rows=g.num_rows, offset=at[0] or 0, merge=merge)
+    if _quant.is_qarray(state[0]):
+      ids, u, new = _lazy_rows_quantized(variant, s, g, state, table_shape, merge)
+    else:
+      ids, u, new = _backend.native_ffi.sparse_lazy(
+          variant, s, g.indices, g.values, state, row_shape=table_shape[1:],
+          num_rows=g.num_rows, offset=at[0] or 0, merge=merge)
     # the same types as XLA's step (the ids' dtype is safe_ids')
     return ids.astype(safe_ids(g.indices[:0], g.num_rows).dtype), u.astype(g.values.dtype), new
   return _backend.run(_use_row_kernel(backend, g, state, at), kernel,
                       lambda: _lazy_rows_xla(h, g, state, table_shape, at, merge, split))
+
+
+def _lazy_rows_quantized(variant, s, g: RowSparse, state, table_shape: tuple, merge: bool):
+  """The CPU kernel's lazy step on a table's own 8-bit moments (see :func:`_use_row_kernel`)."""
+  ffi = _backend.native_ffi
+  codes = tuple(ffi.Codes(q.codes, q.scales, _quant.code_book(q.fmt.kind, q.fmt.role),
+                          _quant.kernel_midpoints(q.fmt)) for q in state)
+  ids, u, new = ffi.sparse_lazy_quantized(
+      variant, s, g.indices, g.values, codes, row_shape=table_shape[1:], num_rows=g.num_rows,
+      block=state[0].fmt.block_size, merge=merge)
+  return ids, u, tuple(_quant.QuantizedArray(c.codes, c.scales, q.shape, q.fmt)
+                       for q, c in zip(state, new))
 
 
 def _lazy_rows_xla(h: Hyper, g: RowSparse, state, table_shape: tuple, at, merge: bool, split):
@@ -712,8 +728,17 @@ def _check_row_step(h: Hyper, g, state, table_shape, at):
 
 
 def _use_row_kernel(backend, g, state, at, *table) -> bool:
-  """The row kernel takes float32 buffers: quantized moments stay in XLA, even when
-  forced (rule 3 of :mod:`adamkit._backend`)."""
-  fits = len(set(at)) == 1 and not any(_quant.is_qarray(x) for x in state)
+  """The row kernels take float32 buffers, or without a table the table's own "8bit"
+  moments (first moment, then the non-negative ones) in one power-of-two block size that
+  divides the rows; other quantized moments stay in XLA, even when forced (rule 3 of
+  :mod:`adamkit._backend`)."""
+  quant = [x for x in state if _quant.is_qarray(x)]
+  fits = len(set(at)) == 1 and (not quant or (
+      len(quant) == len(state) and not table and at[0] is None
+      and [q.fmt.role for q in quant] == ["mu"] + ["nu"] * (len(quant) - 1)
+      and len({q.fmt.block_size for q in quant}) == 1
+      and all(q.codes.size == q.size and _quant.rows_apart(q.shape, q.fmt) for q in quant)
+      and (b := quant[0].fmt.block_size) & (b - 1) == 0
+      and math.prod(quant[0].shape[1:]) % b == 0))
   return _backend.use_kernel(backend, g.values, *state, *table, ids=g.indices,
-                             num_rows=g.num_rows, fits=fits)
+                             num_rows=g.num_rows, fits=fits, quantized=True)

@@ -308,8 +308,10 @@ def scale_by_sparse_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
   16, 3 for rows of 8 (float32 Adam: 8); 4-bit halves the codes. Leaves under
   ``min_size`` elements keep float32 moments; a 1-D leaf uses the format's blocks as
   :func:`adamkit.scale_by_adam` does, and so cannot take a row-sparse gradient lazily (a
-  ``ValueError``). The quantized lazy step always runs in XLA (the C++ row kernel takes
-  float32 moments), also with ``backend="kernel"``. Non-finite moment values are stored
+  ``ValueError``). On one CPU device, 8-bit moments of a table whose rows are whole
+  power-of-two blocks take the C++ row kernel (the same codes and scales as XLA's step,
+  which runs everywhere else; 4-bit, fp8 and other blocks always run in XLA, also with
+  ``backend="kernel"``). Non-finite moment values are stored
   as 0 and never reach a block's scale (``nonfinite="propagate"`` still carries a NaN
   gradient into the update).
 

@@ -166,6 +166,39 @@ def row_add_calls() -> list[Call]:
                _outs(table), {}, None, ((0, slice(0, 12)), (0, slice(16, 40))))]
 
 
+def sparse_quantized_calls() -> list[Call]:
+  """adamkit_cpu_sparse_lazy_quantized: a table of 10 rows of 8 (one block of 8 a row),
+  ids 1 and 3, and ids outside the table (skipped)."""
+  s, ids, rows, q = _scalars(), np.array([1, 3], np.int32), _f32(2, 8), _codes(10)
+  base = dict(kind=I64(1), nesterov=False, amsgrad=False, state=I64(2), merge=True,
+              num_rows=I64(10), block=I64(8))
+  ops = (s, ids, rows, *q, *q)
+  outs = _outs(q[0], q[1], q[0], q[1], ids, rows)
+  cases = [(dict(num_rows=I64(n)), f"attribute num_rows = {n} must be in [0, 2^31 - 1]")
+           for n in (INT64_MAX, 2**31, -1, INT64_MIN)]
+  cases += [(dict(num_rows=I64(n)), "scales must be one per block") for n in (12, 2**31 - 1, 9)]
+  cases += [(dict(block=I64(b)), f"attribute block = {b} must be a power of two")
+            for b in (0, -8, 3, 2**21, INT64_MAX, INT64_MIN)]
+  cases.append((dict(block=I64(16)), "a row of 8 elements must be whole blocks of attribute "
+                "block = 16"))
+  cases += [(a, err) for a, err in BAD_VARIANTS if "decay" not in a]
+  calls = [Call(f"sparse quantized {a}", "adamkit_cpu_sparse_lazy_quantized", ops, outs,
+                dict(base, **a), err) for a, err in cases]
+  wide = np.zeros((0, 2**33), np.float32)  # k = 0 rows of 2^33 elements
+  calls.append(Call("rows of 2^33 elements", "adamkit_cpu_sparse_lazy_quantized",
+                    (s, np.zeros(0, np.int32), wide, *q, *q),
+                    _outs(q[0], q[1], q[0], q[1], np.zeros(0, np.int32), wide), base,
+                    "a row of 8589934592 elements must be whole blocks"))
+  far = np.array([-1, 1, 2**31 - 1, 3, -2**31, 10], np.int32)
+  calls.append(Call("ids outside the table", "adamkit_cpu_sparse_lazy_quantized",
+                    (s, far, _f32(6, 8), *q, *q), _outs(q[0], q[1], q[0], q[1], far, _f32(6, 8)),
+                    base, None, tuple((j, where) for j in (0, 2) for where in (
+                        slice(0, 8), slice(16, 24), slice(32, 80))) + tuple(
+                        (j, where) for j in (1, 3)
+                        for where in (slice(0, 1), slice(2, 3), slice(4, 10)))))
+  return calls
+
+
 def _codes(blocks, block=8):
   book = np.linspace(-1, 1, 256).astype(np.float32)
   mid = ((book[:-1] + book[1:]) / 2).astype(np.float32)
@@ -229,7 +262,7 @@ def requantize_calls() -> list[Call]:
 def calls() -> list[Call]:
   """Every case, handler by handler."""
   return (step_calls() + rounded_calls() + sparse_calls() + row_add_calls() + quantized_calls()
-          + requantize_calls())
+          + requantize_calls() + sparse_quantized_calls())
 
 
 def run(call: Call):
@@ -269,6 +302,8 @@ def _source(call: Call, index: int) -> np.ndarray:
     return call.operands[3 + index]
   if call.target == "adamkit_cpu_row_add":
     return call.operands[2]
+  if call.target == "adamkit_cpu_sparse_lazy_quantized":  # per buffer codes, scales, book, mid
+    return call.operands[3 + 4 * (index // 2) + index % 2]
   if call.target in ("adamkit_cpu_step", "adamkit_cpu_step_rounded"):
     # params and grads first, then the state buffers (+ keys): results are params, state
     state = int(call.attrs["state"])

@@ -457,19 +457,57 @@ def test_lazy_step_cost_is_o_of_touched_rows(kind):
   assert moved.tolist() == [0, 17, n - 1]
 
 
-def test_quantized_moments_run_in_xla_even_with_backend_kernel(kernel):
-  """The C++ row kernel takes float32 moments only: quantized ones go to XLA (rule 3 of
-  adamkit._backend), with the same numbers as backend="xla"."""
-  params = {"e": jnp.asarray(np.random.default_rng(0).normal(size=(M, W)), jnp.float32)}
-  g = {"e": ak.RowSparse(np.array([1, 1, 5]), _values([1, 1, 5], 0), M)}
-  outs = []
+def _kernel_and_xla(tx_of, params, grads_seq) -> dict:
+  """Per backend ("kernel", "xla"): the params and state after ``grads_seq`` and whether
+  the step's program calls the quantized row kernel."""
+  out = {}
   for backend in ("kernel", "xla"):
-    tx = ak.sparse_adam(0.1, mu_dtype=fmt("8bit"), nu_dtype=fmt("8bit"), backend=backend)
-    step = _step(tx)
-    text = step.lower(g, tx.init(params), params).as_text()
-    assert "adamkit_cpu_sparse_lazy" not in text
-    outs.append(step(g, tx.init(params), params))
-  jax.tree.map(np.testing.assert_array_equal, outs[0], outs[1])
+    tx = tx_of(backend)
+    step, p, state = _step(tx), params, tx.init(params)
+    text = step.lower(grads_seq[0], state, p).as_text()
+    for g in grads_seq:
+      p, state = step(g, state, p)
+    out[backend] = (p, state, "adamkit_cpu_sparse_lazy_quantized" in text)
+  return out
+
+
+@pytest.mark.parametrize("named,kw", [
+    ("sparse_adam", {}), ("sparse_adam", dict(eps_mode="corrected", nesterov=True)),
+    ("sparse_adam", dict(amsgrad=True)), ("sparse_adamw", dict(weight_decay=0.01))])
+def test_8bit_row_kernel_is_the_xla_step_bit_for_bit(kernel, named, kw):
+  """8-bit moments of a table whose rows are whole power-of-two blocks take the C++ row
+  kernel (backend="kernel"; "auto" on one CPU device), which decodes, steps and encodes
+  the touched rows only: the codes and scales of XLA's step to the last bit, over steps of
+  unique ids, repeated ids (two occurrences: their sum is the same in any order) and a
+  non-finite gradient; the params to float32 rounding (XLA contracts some multiply-adds of
+  the direction into FMAs, the kernel does not, as in tests/test_sparse.py)."""
+  rng = np.random.default_rng(3)
+  params = {"e": jnp.asarray(rng.normal(size=(M, W)), jnp.float32)}
+  seq = [[1, 4, 7], [0, 9, 2, 5], [3, 3, 8, 8, 6], [5, 1]]
+  grads = [{"e": ak.RowSparse(np.array(ids), _values(ids, t) * 10.0 ** (t - 2), M)}
+           for t, ids in enumerate(seq)]
+  bad = _values(seq[-1], 9)
+  bad[0, 3] = np.nan
+  grads.append({"e": ak.RowSparse(np.array(seq[-1]), bad, M)})
+  out = _kernel_and_xla(lambda backend: getattr(ak, named)(
+      0.1, mu_dtype=fmt("8bit"), nu_dtype=fmt("8bit"), backend=backend, **kw), params, grads)
+  assert out["kernel"][2] and not out["xla"][2]
+  jax.tree.map(np.testing.assert_array_equal, out["kernel"][1], out["xla"][1])
+  np.testing.assert_allclose(out["kernel"][0]["e"], out["xla"][0]["e"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mu,nu,width", [("4bit", "4bit", W), ("fp8", "fp8", W),
+                                         ("8bit", None, W), ("8bit", "8bit", 12)])
+def test_other_quantized_moments_run_in_xla_even_with_backend_kernel(kernel, mu, nu, width):
+  """The row kernels take float32 moments, or 8-bit ones in power-of-two blocks: 4-bit,
+  fp8, a float32 moment beside an 8-bit one and rows of 12 (one block of 12 each) go to
+  XLA (rule 3 of adamkit._backend), with the same numbers as backend="xla"."""
+  params = {"e": jnp.asarray(np.random.default_rng(0).normal(size=(M, width)), jnp.float32)}
+  g = {"e": ak.RowSparse(np.array([1, 1, 5]), _values([1, 1, 5], 0, width), M)}
+  out = _kernel_and_xla(lambda backend: ak.sparse_adam(
+      0.1, mu_dtype=fmt(mu), nu_dtype=nu and fmt(nu), backend=backend), params, [g, g])
+  assert not out["kernel"][2]
+  jax.tree.map(np.testing.assert_array_equal, out["kernel"][:2], out["xla"][:2])
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])

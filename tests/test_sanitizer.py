@@ -4,8 +4,9 @@ Builds ``adamkit/_cpu/adam_kernels.cc`` with ``-fsanitize=address,undefined`` an
 every entry point (``sparse_adam`` and ``sparse_adamw(amsgrad=True)`` + ``apply_updates``,
 ``fused_adam`` and ``fused_adamw(amsgrad=True)`` per leaf and multi-tensor with a table
 between dense leaves, ``fused_sparse_lazy_adam``, the dense step of every variant, the
-dense step with 8-bit quantized moments, the chain form's requantization of 8-bit moments
-(``adamw``, ``adam(amsgrad=True)``, ``adamax``), the rounded dense step on bf16 params
+dense step with 8-bit quantized moments, the lazy step of 8-bit table moments, the chain
+form's requantization of 8-bit moments (``adamw``, ``adam(amsgrad=True)``, ``adamax``),
+the rounded dense step on bf16 params
 (``param_rounding``), and each kernel called directly past the Python checks, including
 every malformed attribute of tests/kernel_attrs.py: offsets at INT64_MAX, sums that wrap)
 with adversarial inputs, in a
@@ -265,6 +266,22 @@ def _drive():  # noqa: C901 - one list of cases
                functools.partial(ak.fused_adamax, nu_dtype=ak.Quantized("8bit", 64, 0)),
                functools.partial(ak.fused_adamw, mu_dtype=q8, nu_dtype=q8),
                functools.partial(ak.fused_adam, mu_dtype=q8_32, nu_dtype=q8_32, nesterov=True)]
+  # the lazy step of 8-bit table moments (the row kernel: rows of power-of-two blocks),
+  # every id set, NaN/Inf gradients; the codes and scales of untouched rows kept
+  for (n, width), make in itertools.product([(0, 8), (37, 1), (37, 16)], [
+      functools.partial(ak.sparse_adam, mu_dtype=q8, nu_dtype=q8),
+      functools.partial(ak.sparse_adamw, mu_dtype=q8, nu_dtype=q8, amsgrad=True)]):
+    for ids in id_sets(n):
+      tx = make(0.1, backend="kernel")
+      p = {"emb": table(n, width)}
+      vals = jnp.asarray(rng.normal(size=(len(ids), width)), jnp.float32)
+      vals = vals.at[0, 0].set(jnp.nan).at[-1, -1].set(jnp.inf) if len(ids) else vals
+      state = tx.init(p)
+      step = jax.jit(lambda ids, vals, state, p, tx=tx, n=n: tx.update(
+          {"emb": ak.RowSparse(ids, vals, n)}, state, p))  # ids outside: dropped in jit
+      u, new_state = step(ids, vals, state, p)
+      rows = [[x for x in jax.tree.leaves(t) if np.shape(x)[:1] == (n,)] for t in (state, new_state)]
+      unaddressed_rows_kept(*rows, ids, n)
   for sizes, make, mt in itertools.product([(1,), (17, 0, 300), (300_000,), (5, 200_000)],
                                            quantized, (True, False)):
     opt = make(0.1, multi_tensor=mt, backend="kernel")

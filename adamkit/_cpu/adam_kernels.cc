@@ -18,6 +18,7 @@
 // caller in JAX).
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -828,6 +829,86 @@ ffi::Error StepRounded(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
   return ffi::Error::Success();
 }
 
+// The distinct valid ids (in [0, rows)) of a lazy step's k ids, in first-occurrence order:
+// uid[r], the position of its first occurrence first[r], and next[pos] chaining the later
+// occurrences of the id at pos (-1: none). Without `merge` each valid occurrence is its
+// own row (the caller promised unique ids).
+struct DistinctRows {
+  std::vector<int32_t> uid, first, next;
+};
+
+DistinctRows Distinct(const int32_t* id, int64_t k, int64_t rows, bool merge) {
+  DistinctRows d;
+  d.next.assign(k, -1);
+  d.uid.reserve(k);
+  d.first.reserve(k);
+  if (!merge) {
+    for (int64_t pos = 0; pos < k; ++pos) {
+      if (id[pos] >= 0 && id[pos] < rows) {
+        d.uid.push_back(id[pos]);
+        d.first.push_back(static_cast<int32_t>(pos));
+      }
+    }
+    return d;
+  }
+  int shift = 32;
+  int64_t cap = 1;
+  while (cap < 2 * k) cap <<= 1, --shift;
+  std::vector<int32_t> slot(cap, -1), last;
+  last.reserve(k);
+  for (int64_t pos = 0; pos < k; ++pos) {
+    const int32_t i = id[pos];
+    if (i < 0 || i >= rows) continue;
+    uint32_t h = shift < 32 ? (static_cast<uint32_t>(i) * 2654435761u) >> shift : 0;
+    while (slot[h] >= 0 && d.uid[slot[h]] != i) h = (h + 1) & (cap - 1);
+    if (slot[h] < 0) {
+      slot[h] = static_cast<int32_t>(d.uid.size());
+      d.uid.push_back(i);
+      d.first.push_back(static_cast<int32_t>(pos));
+      last.push_back(static_cast<int32_t>(pos));
+    } else {
+      d.next[last[slot[h]]] = static_cast<int32_t>(pos);
+      last[slot[h]] = static_cast<int32_t>(pos);
+    }
+  }
+  return d;
+}
+
+// Distinct row r's gradient (width elements): its first occurrence's row of g, or the sum
+// of all its occurrences in the order they occur (as a scatter-add sums), in *acc.
+const float* MergedRow(const DistinctRows& d, int64_t r, const float* g, int64_t width,
+                       std::vector<float>* acc) {
+  const float* row = g + static_cast<int64_t>(d.first[r]) * width;
+  if (d.next[d.first[r]] < 0) return row;
+  acc->assign(row, row + width);
+  for (int32_t q = d.next[d.first[r]]; q >= 0; q = d.next[q]) {
+    const float* more = g + static_cast<int64_t>(q) * width;
+    for (int64_t j = 0; j < width; ++j) (*acc)[j] = (*acc)[j] + more[j];
+  }
+  return acc->data();
+}
+
+// Writes the distinct ids into results `at` (s32[k]; `rows` in unused slots) and zeroes the
+// unused rows of the directions, results `at + 1` (f32[k, width]), whose data *u receives.
+// An error message, or "" when the results have those sizes.
+std::string WriteDistinct(const DistinctRows& d, ffi::RemainingRets& rets, size_t at, int64_t k,
+                          int64_t width, int64_t rows, float** u) {
+  auto ids_out = rets.get<ffi::Buffer<ffi::S32>>(at);
+  auto dir = rets.get<ffi::Buffer<ffi::F32>>(at + 1);
+  if (ids_out.has_error() || dir.has_error()) return "the ids and directions results must be s32 and f32";
+  if (static_cast<int64_t>((*ids_out)->element_count()) != k ||
+      static_cast<int64_t>((*dir)->element_count()) != k * width) {  // k * width fits (checked)
+    return "result sizes do not match ids";
+  }
+  const int64_t distinct = static_cast<int64_t>(d.uid.size());
+  int32_t* io = (*ids_out)->typed_data();
+  std::copy(d.uid.begin(), d.uid.end(), io);
+  std::fill(io + distinct, io + k, static_cast<int32_t>(rows));
+  *u = (*dir)->typed_data();
+  std::fill(*u + distinct * width, *u + k * width, 0.0f);
+  return "";
+}
+
 // The lazy sparse step (MindSpore FusedSparseLazyAdam): Adam on the distinct rows named by
 // `ids` only, each row's table and state read and written once, in place.
 //
@@ -903,60 +984,13 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     bufs[j] = (*out)->typed_data();
     if (bufs[j] != in->typed_data()) std::copy_n(in->typed_data(), n, bufs[j]);
   }
-  const int32_t* id = ids.typed_data();
+  const DistinctRows d = Distinct(ids.typed_data(), k, rows, merge);
   const float* g = grad.typed_data();
-
-  // Distinct valid ids in first-occurrence order; next[pos] chains later occurrences.
-  std::vector<int32_t> uid, first, last;
-  std::vector<int32_t> next(k, -1);
-  uid.reserve(k);
-  first.reserve(k);
-  if (merge) {
-    int shift = 32;
-    int64_t cap = 1;
-    while (cap < 2 * k) cap <<= 1, --shift;
-    std::vector<int32_t> slot(cap, -1);
-    last.reserve(k);
-    for (int64_t pos = 0; pos < k; ++pos) {
-      const int32_t i = id[pos];
-      if (i < 0 || i >= rows) continue;
-      uint32_t h = shift < 32 ? (static_cast<uint32_t>(i) * 2654435761u) >> shift : 0;
-      while (slot[h] >= 0 && uid[slot[h]] != i) h = (h + 1) & (cap - 1);
-      if (slot[h] < 0) {
-        slot[h] = static_cast<int32_t>(uid.size());
-        uid.push_back(i);
-        first.push_back(static_cast<int32_t>(pos));
-        last.push_back(static_cast<int32_t>(pos));
-      } else {
-        next[last[slot[h]]] = static_cast<int32_t>(pos);
-        last[slot[h]] = static_cast<int32_t>(pos);
-      }
-    }
-  } else {
-    for (int64_t pos = 0; pos < k; ++pos) {
-      if (id[pos] >= 0 && id[pos] < rows) {
-        uid.push_back(id[pos]);
-        first.push_back(static_cast<int32_t>(pos));
-      }
-    }
-  }
-  const int64_t distinct = static_cast<int64_t>(uid.size());
-
+  const int64_t distinct = static_cast<int64_t>(d.uid.size());
   float* u_out = nullptr;
   if (!apply) {
-    auto ids_out = rets.get<ffi::Buffer<ffi::S32>>(nstate);
-    auto dir = rets.get<ffi::Buffer<ffi::F32>>(nstate + 1);
-    if (ids_out.has_error()) return ids_out.error();
-    if (dir.has_error()) return dir.error();
-    if (static_cast<int64_t>((*ids_out)->element_count()) != k ||
-        static_cast<int64_t>((*dir)->element_count()) != k_size) {
-      return bad("result sizes do not match ids");
-    }
-    int32_t* io = (*ids_out)->typed_data();
-    std::copy(uid.begin(), uid.end(), io);
-    std::fill(io + distinct, io + k, static_cast<int32_t>(rows));
-    u_out = (*dir)->typed_data();
-    std::fill(u_out + distinct * width, u_out + k * width, 0.0f);
+    const std::string error = WriteDistinct(d, rets, nstate, k, width, rows, &u_out);
+    if (!error.empty()) return bad(error);
   }
 
   ChunkFn fn = Pick(kind, nesterov, decay, amsgrad, /*store_u=*/!apply);
@@ -971,7 +1005,7 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
     constexpr int64_t kAhead = 4;  // rows prefetched ahead: random rows miss every cache
     for (int64_t r = lo; r < hi; ++r) {
       if (r + kAhead < hi) {
-        const int64_t at = static_cast<int64_t>(uid[r + kAhead]) * width;
+        const int64_t at = static_cast<int64_t>(d.uid[r + kAhead]) * width;
         for (int64_t c = 0; c < lines; ++c) {
           __builtin_prefetch(m + at + 16 * c, 1);
           __builtin_prefetch(v + at + 16 * c, 1);
@@ -979,16 +1013,8 @@ ffi::Error SparseLazy(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
           if (apply) __builtin_prefetch(p + at + 16 * c, 1);
         }
       }
-      const float* row = g + static_cast<int64_t>(first[r]) * width;
-      if (merge && next[first[r]] >= 0) {
-        acc.assign(row, row + width);
-        for (int32_t q = next[first[r]]; q >= 0; q = next[q]) {
-          const float* more = g + static_cast<int64_t>(q) * width;
-          for (int64_t j = 0; j < width; ++j) acc[j] = acc[j] + more[j];
-        }
-        row = acc.data();
-      }
-      const int64_t at = static_cast<int64_t>(uid[r]) * width;
+      const float* row = MergedRow(d, r, g, width, &acc);
+      const int64_t at = static_cast<int64_t>(d.uid[r]) * width;
       fn(apply ? p + at : u_out + r * width, m + at, v + at, amsgrad ? vmax + at : nullptr, row,
          s, 0, width);
     }
@@ -2245,6 +2271,49 @@ RequantFastFn PickRequantFast(int64_t kind, bool amsgrad, const QBuffer* out, in
 }
 #endif
 
+// One state buffer of 8-bit codes from arguments at, at + 1, at + 2, at + 3 (codes, scales,
+// code book, midpoints) and results ret, ret + 1 (codes, scales): `blocks` scales and
+// `block` codes per scale in each, the book 256 finite values, the midpoints 255 finite
+// and sorted. Fills *in (to decode) and *out (to encode). An error message, or "".
+std::string LoadCodes(ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t at, size_t ret,
+                      int64_t blocks, int64_t block, bool nonneg, QBuffer* in, QBuffer* out) {
+  auto codes = args.get<ffi::Buffer<ffi::U8>>(at);
+  auto scales = args.get<ffi::Buffer<ffi::F32>>(at + 1);
+  auto book = args.get<ffi::Buffer<ffi::F32>>(at + 2);
+  auto mid = args.get<ffi::Buffer<ffi::F32>>(at + 3);
+  auto codes_out = rets.get<ffi::Buffer<ffi::U8>>(ret);
+  auto scales_out = rets.get<ffi::Buffer<ffi::F32>>(ret + 1);
+  if (codes.has_error() || scales.has_error() || book.has_error() || mid.has_error() ||
+      codes_out.has_error() || scales_out.has_error()) {
+    return "a state buffer is u8 codes, f32 scales, an f32 code book and f32 midpoints";
+  }
+  if (static_cast<int64_t>(scales->element_count()) != blocks ||
+      static_cast<int64_t>((*scales_out)->element_count()) != blocks) {
+    return "scales must be one per block of the gradient, results as the inputs";
+  }
+  if (static_cast<int64_t>(codes->element_count()) != blocks * block ||  // caller: no overflow
+      static_cast<int64_t>((*codes_out)->element_count()) != blocks * block) {
+    return "codes must be `block` per scale, results as the inputs";
+  }
+  if (book->element_count() != kBook || mid->element_count() != kBook - 1) {
+    return "a code book is 256 values and 255 midpoints";
+  }
+  const float* values = book->typed_data();
+  for (int64_t i = 0; i < kBook; ++i) {
+    if (!std::isfinite(values[i])) return "a code book value is not finite";
+  }
+  in->quantized = out->quantized = true;
+  in->nonneg = out->nonneg = nonneg;
+  in->codes = codes->typed_data();
+  in->scales = scales->typed_data();
+  in->book = out->book = values;
+  out->codes = (*codes_out)->typed_data();
+  out->scales = (*scales_out)->typed_data();
+  out->search = SearchFor(mid->typed_data());
+  if (out->search == nullptr) return "the midpoints must be finite and sorted";
+  return "";
+}
+
 // Blocks [lo, hi) of a leaf of n elements: the old moments of block j from in[k] (codes,
 // scales, book), the new ones into out[k] (codes, scales, search).
 void RequantizeBlocks(MomentFn moments, const Scalars& k, const float* g, int64_t n,
@@ -2292,42 +2361,9 @@ ffi::Error Requantize(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
   const int64_t blocks = (n + block - 1) / block;
   QBuffer in[kMaxStateBuffers], out[kMaxStateBuffers];
   for (int64_t s = 0; s < nstate; ++s) {
-    auto codes = args.get<ffi::Buffer<ffi::U8>>(4 * s);
-    auto scales = args.get<ffi::Buffer<ffi::F32>>(4 * s + 1);
-    auto book = args.get<ffi::Buffer<ffi::F32>>(4 * s + 2);
-    auto mid = args.get<ffi::Buffer<ffi::F32>>(4 * s + 3);
-    auto codes_out = rets.get<ffi::Buffer<ffi::U8>>(2 * s);
-    auto scales_out = rets.get<ffi::Buffer<ffi::F32>>(2 * s + 1);
-    if (codes.has_error()) return codes.error();
-    if (scales.has_error()) return scales.error();
-    if (book.has_error()) return book.error();
-    if (mid.has_error()) return mid.error();
-    if (codes_out.has_error()) return codes_out.error();
-    if (scales_out.has_error()) return scales_out.error();
-    if (static_cast<int64_t>(scales->element_count()) != blocks ||
-        static_cast<int64_t>((*scales_out)->element_count()) != blocks) {
-      return bad("scales must be one per block of the gradient, results as the inputs");
-    }
-    if (static_cast<int64_t>(codes->element_count()) != blocks * block ||  // <= n + block
-        static_cast<int64_t>((*codes_out)->element_count()) != blocks * block) {
-      return bad("codes must be `block` per scale, results as the inputs");
-    }
-    if (book->element_count() != kBook || mid->element_count() != kBook - 1) {
-      return bad("a code book is 256 values and 255 midpoints");
-    }
-    const float* values = book->typed_data();
-    for (int64_t i = 0; i < kBook; ++i) {
-      if (!std::isfinite(values[i])) return bad("a code book value is not finite");
-    }
-    in[s].quantized = out[s].quantized = true;
-    in[s].nonneg = out[s].nonneg = s > 0;
-    in[s].codes = codes->typed_data();
-    in[s].scales = scales->typed_data();
-    in[s].book = out[s].book = values;
-    out[s].codes = (*codes_out)->typed_data();
-    out[s].scales = (*scales_out)->typed_data();
-    out[s].search = SearchFor(mid->typed_data());
-    if (out[s].search == nullptr) return bad("the midpoints must be finite and sorted");
+    const std::string error = LoadCodes(args, rets, 4 * s, 2 * s, blocks, block, s > 0, &in[s],
+                                        &out[s]);
+    if (!error.empty()) return bad(error);
   }
   const MomentFn moments = PickMoments(kind, amsgrad);
   const Scalars k = LoadScalars(scalars.typed_data());
@@ -2354,7 +2390,124 @@ ffi::Error Requantize(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
   return ffi::Error::Success();
 }
 
+// The lazy sparse step with 8-bit moments (the chain form: directions out, no table): as
+// SparseLazy without apply, each state buffer stored as the table's own codes, `block`
+// codes per scale, every row whole blocks. Per distinct row: its blocks decoded, the step
+// of the float32 kernel, the new moments encoded into the row's blocks, as the dense
+// quantized step encodes (adamkit/_quant.py, bit for bit); no other row's codes or scales
+// are touched. Arguments: scalars (f32[9]), ids (s32[k]), gradient rows (f32[k, *row]),
+// then per state buffer its codes (u8, num_rows rows of the row's width), scales (f32, one
+// per block), code book (f32[256]) and midpoints (f32[255]). Results: per state buffer
+// its codes and scales (in place when donated), then the distinct ids and directions.
+ffi::Error SparseLazyQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
+                               ffi::BufferR1<ffi::S32> ids, ffi::Buffer<ffi::F32> grad,
+                               ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t kind,
+                               bool nesterov, bool amsgrad, int64_t state, bool merge,
+                               int64_t rows, int64_t block) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("adamkit quantized sparse step: " + what);
+  };
+  if (scalars.element_count() != 9) return bad("expected 9 scalars");
+  const std::string variant = VariantError(kind, nesterov, kNoDecay, amsgrad, state);
+  if (!variant.empty()) return bad(variant);
+  if (block < 1 || block > kMaxBlock || (block & (block - 1)) != 0) {
+    return bad("attribute block = " + Str(block) + " must be a power of two in [1, 2^20]");
+  }
+  const int64_t nstate = state;
+  if (static_cast<int64_t>(args.size()) != 4 * nstate ||
+      static_cast<int64_t>(rets.size()) != 2 * nstate + 2) {
+    return bad("expected 4 arguments (codes, scales, book, midpoints) and 2 results (codes, "
+               "scales) per state buffer, then the ids and directions results");
+  }
+  if (rows < 0 || rows > INT32_MAX) {
+    return bad("attribute num_rows = " + Str(rows) + " must be in [0, 2^31 - 1]");
+  }
+  const int64_t k = static_cast<int64_t>(ids.element_count());
+  const auto dims = grad.dimensions();
+  int64_t width = 1, rows_size = 0, k_size = 0;
+  if (dims.size() < 1 || dims[0] != k || k > INT32_MAX || !CountOf(dims, 1, &width) ||
+      __builtin_mul_overflow(width, k, &k_size) ||
+      k_size != static_cast<int64_t>(grad.element_count())) {
+    return bad("gradient rows do not match ids");
+  }
+  if (width % block != 0 || width > kMaxBlock) {
+    return bad("a row of " + Str(width) + " elements must be whole blocks of attribute block = " +
+               Str(block) + " and at most 2^20 elements");
+  }
+  if (__builtin_mul_overflow(rows, width, &rows_size)) {
+    return bad("attribute num_rows = " + Str(rows) + " rows of " + Str(width) +
+               " elements overflow int64");
+  }
+  QBuffer in[kMaxStateBuffers], out[kMaxStateBuffers];
+  for (int64_t s = 0; s < nstate; ++s) {
+    const std::string error = LoadCodes(args, rets, 4 * s, 2 * s, rows_size / block, block,
+                                        s > 0, &in[s], &out[s]);
+    if (!error.empty()) return bad(error);
+    if (out[s].codes != in[s].codes) std::copy_n(in[s].codes, rows_size, out[s].codes);
+    if (out[s].scales != in[s].scales) std::copy_n(in[s].scales, rows_size / block, out[s].scales);
+  }
+  const DistinctRows d = Distinct(ids.typed_data(), k, rows, merge);
+  float* u_out = nullptr;
+  const std::string error = WriteDistinct(d, rets, 2 * nstate, k, width, rows, &u_out);
+  if (!error.empty()) return bad(error);
+  ChunkFn fn = Pick(kind, nesterov, kNoDecay, amsgrad, /*store_u=*/true);
+  const float* s = scalars.typed_data();
+  const float* g = grad.typed_data();
+  const int64_t per_row = width / block;
+  const int64_t lines = std::min<int64_t>((width + 63) / 64, 16);  // cache lines of a row's codes
+  auto body = [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc, scratch(static_cast<size_t>(nstate * width));
+    float* x[kMaxStateBuffers] = {nullptr, nullptr, nullptr};
+    for (int64_t j = 0; j < nstate; ++j) x[j] = scratch.data() + j * width;
+    constexpr int64_t kAhead = 16;  // rows prefetched ahead: random rows miss every cache
+    for (int64_t r = lo; r < hi; ++r) {
+      if (r + kAhead < hi) {
+        const int64_t ahead = static_cast<int64_t>(d.uid[r + kAhead]) * per_row;
+        for (int64_t j = 0; j < nstate; ++j) {
+          for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(out[j].codes + ahead * block + 64 * c, 1);
+          __builtin_prefetch(out[j].scales + ahead, 1);
+        }
+      }
+      const int64_t blk0 = static_cast<int64_t>(d.uid[r]) * per_row;
+      for (int64_t j = 0; j < nstate; ++j) {
+        for (int64_t b = 0; b < per_row; ++b) {
+          float& scale = out[j].scales[blk0 + b];  // a corrupted one reads as 0 (_quant.readable)
+          if (!(scale >= 0.0f && scale <= FLT_MAX)) scale = 0.0f;
+          Decode(out[j], block, blk0 + b, block, x[j] + b * block);
+        }
+      }
+      fn(u_out + r * width, x[0], x[1], x[2], MergedRow(d, r, g, width, &acc), s, 0, width);
+      for (int64_t j = 0; j < nstate; ++j) {
+        for (int64_t b = 0; b < per_row; ++b) {
+          EncodeBlock(out[j], block, blk0 + b, block, x[j] + b * block);
+        }
+      }
+    }
+  };
+  const int64_t distinct = static_cast<int64_t>(d.uid.size());
+  const int64_t per_chunk = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(width, 1));
+  ParallelFor(pool, distinct, std::max(per_chunk, (distinct + Threads(pool) - 1) / Threads(pool)),
+              body);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuSparseLazyQuantized, SparseLazyQuantized,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::F32>>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("amsgrad")
+                                  .Attr<int64_t>("state")
+                                  .Attr<bool>("merge")
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("block"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamkitCpuRequantize, Requantize,
                               ffi::Ffi::Bind()

@@ -334,6 +334,41 @@ def sparse_lazy(variant: Variant, s: jax.Array, ids: jax.Array, rows: jax.Array,
   return out[len(state)], out[len(state) + 1], new_state
 
 
+def sparse_lazy_quantized(variant: Variant, s: jax.Array, ids: jax.Array, rows: jax.Array,
+                          state: tuple, *, row_shape, num_rows: int, block: int,
+                          merge: bool = True):
+  """:func:`sparse_lazy` without a table, the state :class:`Codes` of the table's own
+  moments (``num_rows`` rows, each whole blocks of ``block``): returns ``(ids, u,
+  state)``, the touched rows' codes and scales rewritten, in place when donated. A scale
+  that is negative or not finite reads as 0 (see ``adamkit._quant.readable_scales``)."""
+  ids = kernel_ids(ids)
+  width = _check_rows(ids, rows, num_rows, row_shape)
+  nstate = state_buffers(variant)
+  _need(len(state) == nstate and all(isinstance(b, Codes) for b in state),
+        f"expected {nstate} state buffers of 8-bit codes, got {len(state)}")
+  _need(block >= 1 and block & (block - 1) == 0 and width % block == 0,
+        f"block size {block} is not a power of two dividing the rows ({width} elements)")
+  operands, outs, aliases = [s, ids, rows], [], {}
+  for name, buf in zip(STATE_NAMES, state):
+    _check_codes(name, buf, num_rows * width // block, 0, block)
+    _need(buf.codes.size == num_rows * width, f"the {name} has {buf.codes.size} codes for a "
+          f"table of {num_rows} rows of {width}")
+    for x in (buf.codes, buf.scales):
+      aliases[len(operands)] = len(outs)
+      operands.append(x)
+      outs.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    operands += [jnp.asarray(buf.book, jnp.float32), jnp.asarray(buf.midpoints, jnp.float32)]
+  outs += [jax.ShapeDtypeStruct(ids.shape, ID_DTYPE), jax.ShapeDtypeStruct(rows.shape, rows.dtype)]
+  call = jax.ffi.ffi_call("adamkit_cpu_sparse_lazy_quantized", outs,
+                          input_output_aliases=aliases, vmap_method="sequential")
+  out = call(*operands, kind=np.int64(KINDS[variant.kind]), nesterov=bool(variant.nesterov),
+             amsgrad=bool(variant.amsgrad), state=np.int64(nstate), merge=bool(merge),
+             num_rows=np.int64(num_rows), block=np.int64(block))
+  new_state = tuple(buf._replace(codes=out[2 * j], scales=out[2 * j + 1])
+                    for j, buf in enumerate(state))
+  return out[-2], out[-1], new_state
+
+
 def row_add(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
   """``table[ids] += rows`` (repeated ids add up, ids outside the table skipped), one call,
   in place when ``table`` is donated."""

@@ -17,7 +17,8 @@ TARGETS = {"adamkit_cpu_step": "AdamkitCpuStep", "adamkit_cpu_sparse_lazy": "Ada
            "adamkit_cpu_row_add": "AdamkitCpuRowAdd",
            "adamkit_cpu_step_quantized": "AdamkitCpuStepQuantized",
            "adamkit_cpu_step_rounded": "AdamkitCpuStepRounded",
-           "adamkit_cpu_requantize": "AdamkitCpuRequantize"}
+           "adamkit_cpu_requantize": "AdamkitCpuRequantize",
+           "adamkit_cpu_sparse_lazy_quantized": "AdamkitCpuSparseLazyQuantized"}
 
 _lock = threading.Lock()
 _found: dict[pathlib.Path, bool] = {}  # library path -> usable (looked up once per path)
