@@ -2271,6 +2271,24 @@ RequantFastFn PickRequantFast(int64_t kind, bool amsgrad, const QBuffer* out, in
 }
 #endif
 
+// The checks every call of an 8-bit handler starts with: 9 scalars, the variant (no decay),
+// a power-of-two block, and 4 arguments (codes, scales, book, midpoints) and 2 results
+// (codes, scales) per state buffer, then `more` results. An error message, or "".
+std::string CallError(size_t scalars, int64_t kind, bool nesterov, bool amsgrad, int64_t state,
+                      int64_t block, size_t args, size_t rets, size_t more) {
+  if (scalars != 9) return "expected 9 scalars";
+  const std::string variant = VariantError(kind, nesterov, kNoDecay, amsgrad, state);
+  if (!variant.empty()) return variant;
+  if (block < 1 || block > kMaxBlock || (block & (block - 1)) != 0) {
+    return "attribute block = " + Str(block) + " must be a power of two in [1, 2^20]";
+  }
+  if (args != 4 * static_cast<size_t>(state) || rets != 2 * static_cast<size_t>(state) + more) {
+    return "expected 4 arguments (codes, scales, book, midpoints) and 2 results (codes, scales) "
+           "per state buffer" + std::string(more ? ", then the ids and directions results" : "");
+  }
+  return "";
+}
+
 // One state buffer of 8-bit codes from arguments at, at + 1, at + 2, at + 3 (codes, scales,
 // code book, midpoints) and results ret, ret + 1 (codes, scales): `blocks` scales and
 // `block` codes per scale in each, the book 256 finite values, the midpoints 255 finite
@@ -2345,18 +2363,10 @@ ffi::Error Requantize(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> scalars,
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("adamkit requantize: " + what);
   };
-  if (scalars.element_count() != 9) return bad("expected 9 scalars");
-  const std::string variant = VariantError(kind, false, kNoDecay, amsgrad, state);
-  if (!variant.empty()) return bad(variant);
-  if (block < 1 || block > kMaxBlock || (block & (block - 1)) != 0) {
-    return bad("attribute block = " + Str(block) + " must be a power of two in [1, 2^20]");
-  }
+  const std::string call = CallError(scalars.element_count(), kind, false, amsgrad, state, block,
+                                     args.size(), rets.size(), 0);
+  if (!call.empty()) return bad(call);
   const int64_t nstate = state;
-  if (static_cast<int64_t>(args.size()) != 4 * nstate ||
-      static_cast<int64_t>(rets.size()) != 2 * nstate) {
-    return bad("expected 4 arguments (codes, scales, book, midpoints) and 2 results (codes, "
-               "scales) per state buffer");
-  }
   const int64_t n = static_cast<int64_t>(grad.element_count());
   const int64_t blocks = (n + block - 1) / block;
   QBuffer in[kMaxStateBuffers], out[kMaxStateBuffers];
@@ -2407,18 +2417,10 @@ ffi::Error SparseLazyQuantized(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> sca
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("adamkit quantized sparse step: " + what);
   };
-  if (scalars.element_count() != 9) return bad("expected 9 scalars");
-  const std::string variant = VariantError(kind, nesterov, kNoDecay, amsgrad, state);
-  if (!variant.empty()) return bad(variant);
-  if (block < 1 || block > kMaxBlock || (block & (block - 1)) != 0) {
-    return bad("attribute block = " + Str(block) + " must be a power of two in [1, 2^20]");
-  }
+  const std::string call = CallError(scalars.element_count(), kind, nesterov, amsgrad, state,
+                                     block, args.size(), rets.size(), 2);
+  if (!call.empty()) return bad(call);
   const int64_t nstate = state;
-  if (static_cast<int64_t>(args.size()) != 4 * nstate ||
-      static_cast<int64_t>(rets.size()) != 2 * nstate + 2) {
-    return bad("expected 4 arguments (codes, scales, book, midpoints) and 2 results (codes, "
-               "scales) per state buffer, then the ids and directions results");
-  }
   if (rows < 0 || rows > INT32_MAX) {
     return bad("attribute num_rows = " + Str(rows) + " must be in [0, 2^31 - 1]");
   }
