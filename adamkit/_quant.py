@@ -816,21 +816,41 @@ def dequantize(q: QuantizedArray) -> jax.Array:
 # 16384 elements in blocks of 256 (a 4 MiB constant of the program); longer rows, whose
 # matrix grows as the square of the row, are decoded in blocks.
 SPREAD_MAX = 1 << 20
+# Leaves of at least SELECT_MIN_SIZE elements whose rows are at most SELECT_MAX_BLOCKS blocks
+# take their scales by compare and select (one select per block after the first), the
+# others by the matmul (see _decode_in_place).
+SELECT_MIN_SIZE = 1 << 24
+SELECT_MAX_BLOCKS = 16
 
 
 def _decode_in_place(q: QuantizedArray) -> jax.Array:
   """:func:`decode_blocks` in the leaf's own layout, for a TPU: each code decoded where it
-  lies, times its block's scale spread over the block's elements by a matmul with a 0/1
-  matrix, ``scales @ E``, ``E[j, c] = (c // B == j)``, at full float32 precision (each
-  output is one scale times 1.0 plus zeros: exact). A broadcast and reshape of the scales,
-  as elsewhere, is a relayout on a TPU that XLA materializes for the whole leaf (8 bytes
-  per parameter of temporaries for two 8-bit moments of a 4096x4096 leaf on a v5e chip;
-  0 with the matmul). A scale the encoder never writes (negative, NaN, infinite) reads as
-  0 first, as :func:`readable_scales` does, so it cannot spread past its block."""
+  lies, times its block's scale spread over the block's elements. A broadcast and reshape
+  of the scales, as elsewhere, is a relayout on a TPU that XLA materializes for the whole
+  leaf (8 bytes per parameter of temporaries for two 8-bit moments of a 4096x4096 leaf on
+  a v5e chip). The scales are multiplied by a 0/1 matrix, ``scales @ E``, ``E[j, c] =
+  (c // B == j)``, at full float32 precision (exact: one scale times 1.0 plus zeros),
+  except in a leaf of :data:`SELECT_MIN_SIZE` elements or more whose rows are at most
+  :data:`SELECT_MAX_BLOCKS` blocks: there each element's scale is picked by comparing its
+  block number with each block's (a column of the scales broadcast along the row, then
+  selects). On a v5e chip XLA keeps the matmul's output whole for such a leaf (a 50257x768
+  one: 4 bytes per parameter; a 4096x4096 bf16 one under ``ak.param_rounding``: 4-6) and
+  fuses the selects (0); in a tree of smaller leaves the selects moved XLA's schedule so
+  that it copied the loops' codes (the 23.1M transformer tree: 1.69 against 0 with the
+  matmul; compiled on 2026-12-02). A scale the encoder never writes (negative, NaN,
+  infinite) reads as 0 first, as :func:`readable_scales` does, so it cannot spread past
+  its block."""
   block, width = q.fmt.block_size, q.shape[-1]
-  spread = np.kron(np.eye(width // block, dtype=np.float32), np.ones((1, block), np.float32))
-  scales = jnp.matmul(readable_scales(q.scales), spread, precision=jax.lax.Precision.HIGHEST)
-  x = _decode(q.codes, q.fmt) * scales
+  scales = readable_scales(q.scales)
+  if width // block <= SELECT_MAX_BLOCKS and q.size >= SELECT_MIN_SIZE:
+    which = jax.lax.broadcasted_iota(jnp.int32, q.shape, q.ndim - 1) // block
+    spread = jnp.broadcast_to(scales[..., :1], q.shape)
+    for j in range(1, width // block):
+      spread = jnp.where(which == j, scales[..., j:j + 1], spread)
+  else:
+    eye = np.kron(np.eye(width // block, dtype=np.float32), np.ones((1, block), np.float32))
+    spread = jnp.matmul(scales, eye, precision=jax.lax.Precision.HIGHEST)
+  x = _decode(q.codes, q.fmt) * spread
   if q.fmt.role == "nu" and q.fmt.kind != "8bit":
     x = x * x
   return x

@@ -165,7 +165,10 @@ def _requantize(moments: Callable, g: jax.Array, olds, count) -> list:
   rows = _strided_rows(g, quant, block, CHUNK)
   loop = (functools.partial(_strided, moments, g, olds, rows, count) if rows is not None
           else functools.partial(_contiguous, moments, g, olds, block, count))
-  return _platform.on_accelerator(lambda: loop(in_place=True), lambda: loop(in_place=False))
+  gathered = _GatheredRows.plan_for(g, quant, rows, CHUNK)
+  tpu = functools.partial(_strided, moments, g, olds, gathered, count) if gathered else loop
+  return _platform.on_tpu(lambda: tpu(in_place=True), lambda: _platform.on_gpu(
+      lambda: loop(in_place=True), lambda: loop(in_place=False)))
 
 
 def _strided_rows(g: jax.Array, quant: list, block: int, chunk: int) -> _Rows | None:
@@ -215,6 +218,7 @@ class _Rows:
              and d * row_size <= chunk and fits(d)]
     r = max(tiled) if tiled and len(self.row) == 1 else r
     self.plan = (r, self.rows // r) if fits(r) else None
+    self.tiled = bool(tiled) and len(self.row) == 1 and r in tiled
 
   def of(self, x: jax.Array) -> jax.Array:
     """A leaf-shaped array as ``(rows, *row)``."""
@@ -244,6 +248,27 @@ class _Rows:
     r, k = self.plan
     return x.reshape((r, k) + x.shape[1:])
 
+  def view(self, x: jax.Array) -> jax.Array:
+    """An array whose axis 0 is the rows (:meth:`of`, :meth:`codes`) as the loop indexes
+    it: :meth:`split`."""
+    return self.split(x)
+
+  @staticmethod
+  def take(a: jax.Array, i) -> jax.Array:
+    """Chunk ``i`` of a :meth:`view` (a dynamic slice)."""
+    return lax.dynamic_index_in_dim(a, i, 1, keepdims=False)
+
+  @staticmethod
+  def read(a: jax.Array, i) -> jax.Array:
+    """Chunk ``i`` of a :meth:`view` that the loop overwrites in place (a gather, see
+    :func:`_read_column`)."""
+    return _read_column(a, i)
+
+  @staticmethod
+  def put(a: jax.Array, x: jax.Array, i) -> jax.Array:
+    """A :meth:`view` with chunk ``i`` written (a dynamic update slice)."""
+    return lax.dynamic_update_index_in_dim(a, x, i, 1)
+
   def positions(self, i: jax.Array) -> jax.Array:
     """The flat positions in the leaf of chunk ``i``'s elements, shaped ``(r, *row)``:
     row ``j`` of the chunk is the leaf's row ``jK + i``."""
@@ -252,6 +277,57 @@ class _Rows:
     strides = (k * row_size,) + tuple(math.prod(self.row[a + 1:]) for a in range(len(self.row)))
     start = jnp.asarray(i).astype(jnp.uint32) * np.uint32(row_size % 2 ** 32)
     return _quant.positions((r,) + self.row, start, strides)
+
+
+class _GatheredRows(_Rows):
+  """Strided chunks of a matrix's rows where no view ``(r, K, row)`` is whole tiles of a
+  TPU (the rows have no divisor that leaves ``K`` a multiple of :data:`TILE_ROWS`, such
+  as a GPT-2 embedding's 50257 = 29 x 1733; XLA:TPU then copies the leaf into the view's
+  layout): chunk ``i`` is the rows ``i, i + K, ...`` below the leaf's end, read by a
+  gather and written by a scatter on the leaf's own ``(rows, row)`` arrays, ``r`` rows
+  each (the last ones past the end: read as zeros, their writes dropped)."""
+
+  def __init__(self, shape: tuple, block: int, chunk: int):
+    super().__init__(shape, block, chunk)
+    row_size = math.prod(self.row)
+    k = -(-self.rows // max(1, min(self.rows, chunk // row_size)))
+    self.plan = (-(-self.rows // k), k)
+
+  @classmethod
+  def plan_for(cls, g: jax.Array, quant: list, rows: _Rows | None,
+               chunk: int) -> _GatheredRows | None:
+    """The plan for a matrix whose moments keep its rows (:func:`_lead_layout`) and whose
+    strided view is no whole tiles; else ``None``."""
+    if g.ndim != 2 or not all(_lead_layout(q) for q in quant) or (rows is not None and rows.tiled):
+      return None
+    return cls(g.shape, max(q.fmt.block_size for q in quant), chunk)
+
+  def view(self, x: jax.Array) -> jax.Array:
+    return x
+
+  def _rows_of(self, i) -> jax.Array:
+    r, k = self.plan
+    return (jnp.arange(r, dtype=jnp.int32) * k + jnp.asarray(i, jnp.int32))[:, None]
+
+  def _dims(self, a: jax.Array, scatter: bool = False):
+    window = tuple(range(1, a.ndim))
+    if scatter:
+      return lax.ScatterDimensionNumbers(update_window_dims=window, inserted_window_dims=(0,),
+                                         scatter_dims_to_operand_dims=(0,))
+    return lax.GatherDimensionNumbers(offset_dims=window, collapsed_slice_dims=(0,),
+                                      start_index_map=(0,))
+
+  def take(self, a: jax.Array, i) -> jax.Array:
+    return lax.gather(a, self._rows_of(i), self._dims(a), (1,) + a.shape[1:],
+                      indices_are_sorted=True, unique_indices=True,
+                      mode=lax.GatherScatterMode.FILL_OR_DROP, fill_value=0)
+
+  read = take
+
+  def put(self, a: jax.Array, x: jax.Array, i) -> jax.Array:
+    return lax.scatter(a, self._rows_of(i), x.astype(a.dtype), self._dims(a, scatter=True),
+                       indices_are_sorted=True, unique_indices=True,
+                       mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _strided(moments, g, olds, rows: _Rows, count, in_place: bool) -> list:
@@ -264,22 +340,21 @@ def _strided(moments, g, olds, rows: _Rows, count, in_place: bool) -> list:
   leaf's shape (a v5e chip, the 23.1M-parameter transformer tree with 8-bit moments: none,
   against 1.40 B/param in fresh buffers, 2026-12-02). CPUs take fresh buffers: XLA:CPU
   copies the old codes before an in-place loop (more temporaries than fresh buffers)."""
-  gs = rows.split(rows.of(g))
-  ins = [tuple(map(rows.split, rows.codes(o))) if _quant.is_qarray(o)
-         else rows.split(rows.of(o)) for o in olds]
+  gs = rows.view(rows.of(g))
+  ins = [tuple(map(rows.view, rows.codes(o))) if _quant.is_qarray(o)
+         else rows.view(rows.of(o)) for o in olds]
 
   def body(i, outs):
-    take = lambda a: lax.dynamic_index_in_dim(a, i, 1, keepdims=False)  # noqa: E731
+    take = lambda a: rows.take(a, i)  # noqa: E731
     gc = take(gs).astype(compute_dtype(gs))
     # in place, a chunk's old codes are read from the buffers the loop writes
-    read, olds_in = ((lambda a: _read_column(a, i)), outs) if in_place else (take, ins)
+    read, olds_in = ((lambda a: rows.read(a, i)), outs) if in_place else (take, ins)
     ocs = [rows.decode(*map(read, src), o.fmt, gc.shape)
            if _quant.is_qarray(o) else take(x).astype(gc.dtype)
            for o, x, src in zip(olds, ins, olds_in)]
     news = moments(gc, *ocs)
     return [None if out is None else tuple(
-        lax.dynamic_update_index_in_dim(a, x, i, 1)
-        for a, x in zip(out, rows.encode(n, o.fmt, count, i)))
+        rows.put(a, x, i) for a, x in zip(out, rows.encode(n, o.fmt, count, i)))
         for out, n, o in zip(outs, news, olds)]
 
   carry = [None if not _quant.is_qarray(o) else x if in_place

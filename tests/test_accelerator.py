@@ -43,13 +43,6 @@ TEMP_BOUND = 0.25  # bytes of XLA temporaries per parameter (issue 30, item 4)
 _RELAYOUT = "is a TPU relayout copy"
 OPEN: dict[tuple[str, str, str], str] = {
     ("4bit", "v5e:1x1", "leaf"): f"8.13 B/param: unpacking two codes a byte {_RELAYOUT}",
-    ("bf16_stochastic_8bit", "v5e:1x1", "leaf"): (
-        "4.06 B/param: the update kept apart from stochastic rounding (the decode, the step "
-        "and threefry in one fusion are too large for XLA:TPU: 237 B/param)"),
-    ("bf16_nearest_8bit", "v5e:1x1", "leaf"): (
-        "5.05 B/param: XLA:TPU lays the loop's strided view of the codes out apart and "
-        "copies the codes into it"),
-    ("bf16_kahan_8bit", "v5e:1x1", "leaf"): "6.06 B/param (as bf16_nearest_8bit)",
     ("fused_8bit", "v5e:1x1", "leaf"): f"4.28 B/param: the flat multi-tensor buffer {_RELAYOUT}",
     ("8bit", "v5e:2x2", "transformer"): (
         "3.95 B/param: XLA copies the codes that the in-place loop overwrites and the "

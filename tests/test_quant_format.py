@@ -452,12 +452,16 @@ def test_init_moment_min_size():
   assert isinstance(Q.init_moment(small, Q.Quantized("8bit", min_size=0), "mu"), Q.QuantizedArray)
 
 
+@pytest.mark.parametrize("block", [128, 16])
 @pytest.mark.parametrize("kind,role", [(k, r) for k, r in KIND_ROLES if k != "4bit"])
-def test_decode_in_place_equals_the_blocked_decode(kind, role):
-  """The TPU's decode (codes in the leaf's shape, each block's scale spread by a 0/1 matmul)
-  reads back what the blocked decode reads, bit for bit, a corrupted scale's block as zeros
-  (it must not spread a NaN over the row). Run here on the CPU, the same float32 maths."""
-  f = fmt(kind, role, 128)
+def test_decode_in_place_equals_the_blocked_decode(monkeypatch, kind, role, block):
+  """The TPU's decode (codes in the leaf's shape, each block's scale spread by selects,
+  rows of 4 blocks, or by a 0/1 matmul, rows of 32) reads back what the blocked decode
+  reads, bit for bit, a corrupted scale's block as zeros (it must not spread a NaN over
+  the row). Run here on the CPU, the same float32 maths."""
+  monkeypatch.setattr(Q, "SELECT_MIN_SIZE", 0)  # the selects for this small leaf too
+  assert (512 // block <= Q.SELECT_MAX_BLOCKS) == (block == 128)
+  f = fmt(kind, role, block)
   x = jax.random.normal(jax.random.key(3), (6, 512)) * jnp.logspace(-6, 2, 512)
   q = Q.quantize(jnp.abs(x) if role == "nu" else x, f, step=1)
   q = dataclasses.replace(q, scales=q.scales.at[1, 2].set(jnp.nan).at[4, 0].set(-1.0)
@@ -465,4 +469,4 @@ def test_decode_in_place_equals_the_blocked_decode(kind, role):
   blocked = Q._from_blocks(Q.decode_blocks(Q.code_blocks(q), q.scales, q.fmt), q.shape)
   got = jax.jit(Q._decode_in_place)(q)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(blocked))
-  assert np.all(np.asarray(got)[1, 256:384] == 0) and np.isfinite(np.asarray(got)).all()
+  assert np.all(np.asarray(got)[1, 2 * block:3 * block] == 0) and np.isfinite(np.asarray(got)).all()

@@ -338,6 +338,17 @@ def test_chunked_encoding_equals_one_pass(monkeypatch, chunk, shape):
     np.testing.assert_allclose(got.scales, want.scales, rtol=1e-6)
 
 
+def _steps(opt, params, grads) -> tuple:
+  """The updates of jitted ``opt.update`` over ``grads`` from ``opt.init(params)``, and the
+  last state (on the host)."""
+  step = jax.jit(lambda s, g: opt.update(g, s, params))
+  s, us = opt.init(params), []
+  for g in grads:
+    u, s = step(s, g)
+    us.append(u)
+  return us, jax.device_get(s)
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_in_place_loop_stores_what_the_fresh_buffer_loop_does(monkeypatch, sharded, dtype):
@@ -362,15 +373,50 @@ def test_gpu_in_place_loop_stores_what_the_fresh_buffer_loop_does(monkeypatch, s
 
   def run(opt, gpu: bool):
     monkeypatch.setattr(_platform, "on_gpu", (lambda g, o: g()) if gpu else (lambda g, o: o()))
-    step = jax.jit(lambda s, g: opt.update(g, s, params))
-    s, us = opt.init(params), []
-    for g in grads:
-      u, s = step(s, g)
-      us.append(u)
-    return us, jax.device_get(s)
+    return _steps(opt, params, grads)
 
   for opt in (tx, fp8):
     chex.assert_trees_all_equal(run(opt, True), run(opt, False))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_tpu_gathered_rows_loop_stores_what_the_fresh_buffer_loop_does(monkeypatch, sharded):
+  """A matrix whose strided view is no whole TPU tiles (75 rows) takes, in the loop a TPU
+  compiles, chunks of 8 rows 10 apart read by a gather and written by a scatter over the
+  old codes, the last chunks' rows past the leaf's end dropped: the state and updates of
+  the CPU's fresh-buffer loop, 4-bit (dithered by position), 8-bit and fp8 moments, the
+  leaf split by columns over 8 devices or not. To float32 rounding: the TPU branch, run on
+  this CPU, fuses the decode and the moment rows apart from the CPU's (a last-bit
+  difference in a scale, a code at a midpoint)."""
+  monkeypatch.setattr(_quant_ops, "CHUNK", 2048)  # 8 rows of 256 a chunk
+  rng = np.random.default_rng(12)
+  params = {"v": jnp.asarray(rng.normal(size=(75, 256)), jnp.float32)}
+  grads = [{"v": jnp.asarray(rng.normal(size=(75, 256)), jnp.float32)} for _ in range(3)]
+  if sharded:
+    where = {"v": NamedSharding(Mesh(np.array(jax.devices()).reshape(8), ("c",)), P(None, "c"))}
+    params, grads = jax.device_put((params, grads), (where, [where] * 3))
+  plans = []
+  real_plan = _quant_ops._GatheredRows.plan_for.__func__
+  monkeypatch.setattr(_quant_ops._GatheredRows, "plan_for", classmethod(
+      lambda cls, *a: plans.append(real_plan(cls, *a)) or plans[-1]))
+  monkeypatch.setattr(_platform, "on_gpu", lambda a, o: o())
+
+  def run(opt, tpu: bool):
+    monkeypatch.setattr(_platform, "on_tpu", (lambda a, o: a()) if tpu else (lambda a, o: o()))
+    us, s = _steps(opt, params, grads)
+    return [u["v"] for u in us], [x for x in jax.tree.leaves(s, is_leaf=_quant.is_qarray)
+                                  if _quant.is_qarray(x)]
+
+  for mu, nu in [("4bit", "8bit"), ("fp8", "fp8")]:
+    opt = ak.adamw(1e-2, mu_dtype=ak.Quantized(mu, block_size=64, min_size=0),
+                   nu_dtype=ak.Quantized(nu, block_size=128, min_size=0))
+    (tpu_u, tpu_q), (cpu_u, cpu_q) = run(opt, True), run(opt, False)
+    for a, b in zip(tpu_u, cpu_u):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+    for a, b in zip(tpu_q, cpu_q):
+      np.testing.assert_allclose(np.asarray(a.scales), np.asarray(b.scales), rtol=1e-6)
+      assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 1e-3
+  assert {p.plan for p in plans if p is not None} == {(8, 10)}  # the TPU loop's plan
 
 
 # ------------------------------------------------------------------------ bad input
