@@ -296,9 +296,11 @@ class _GatheredRows(_Rows):
   @classmethod
   def plan_for(cls, g: jax.Array, quant: list, rows: _Rows | None,
                chunk: int) -> _GatheredRows | None:
-    """The plan for a matrix whose moments keep its rows (:func:`_lead_layout`) and whose
-    strided view is no whole tiles; else ``None``."""
-    if g.ndim != 2 or not all(_lead_layout(q) for q in quant) or (rows is not None and rows.tiled):
+    """The plan for a matrix whose moments keep its rows (:func:`_lead_layout`), whose
+    rows are at most 8 chunks long (as :class:`_Rows` takes them) and whose strided view
+    is no whole tiles; else ``None``."""
+    if (g.ndim != 2 or not all(_lead_layout(q) for q in quant) or g.shape[1] > 8 * chunk
+        or (rows is not None and rows.tiled)):
       return None
     return cls(g.shape, max(q.fmt.block_size for q in quant), chunk)
 
